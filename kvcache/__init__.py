@@ -1,0 +1,13 @@
+"""kvcache: a preallocated, paged KV cache with transactional append, rollback, truncation and shared prefixes.
+
+Knows nothing of attention; `decode` reads it through this public API.
+"""
+from .allocator import PageAllocator
+from .cache import KVCache
+from .config import CacheConfig
+from .errors import CacheFullError, InjectedFault
+from .faults import FaultInjector
+from .transaction import Transaction
+
+__all__ = ["KVCache", "CacheConfig", "CacheFullError", "InjectedFault", "FaultInjector", "PageAllocator",
+           "Transaction"]

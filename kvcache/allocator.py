@@ -1,0 +1,89 @@
+"""Page accounting: a free list and per-page reference counts. Knows nothing of K/V or attention.
+
+Every mutating method has an exact inverse, so a failed operation can be undone in LIFO order and leave the
+free list (its order included) and the reference counts exactly as they were.
+"""
+from collections import Counter
+from typing import Callable, Iterable
+
+from .errors import CacheFullError
+from .faults import no_fault
+
+
+class PageAllocator:
+    """O(1) allocate / free of page ids ``0 .. num_pages - 1``."""
+
+    def __init__(self, num_pages: int, fault_hook: Callable[[str], None] = no_fault):
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))     # a stack: page 0 is handed out first
+        self._refs = [0] * num_pages
+        self.fault_hook = fault_hook
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def ref_count(self, page: int) -> int:
+        return self._refs[page]
+
+    def allocate(self, count: int, could_ever_fit: bool = True, what: str = "") -> list[int]:
+        """Take ``count`` pages (ref count 1 each), all or none; CacheFullError when too few are free."""
+        if count > len(self._free):
+            raise CacheFullError(count, len(self._free), self.num_pages, could_ever_fit, what)
+        pages: list[int] = []
+        try:
+            for _ in range(count):
+                self.fault_hook("allocate")
+                page = self._free.pop()
+                self._refs[page] = 1
+                pages.append(page)
+        except BaseException:
+            self.unallocate(pages)
+            raise
+        return pages
+
+    def unallocate(self, pages: list[int]) -> None:
+        """Exact inverse of the `allocate` that returned ``pages``."""
+        for page in reversed(pages):
+            self._refs[page] = 0
+            self._free.append(page)
+
+    def incref(self, page: int) -> None:
+        self._refs[page] += 1
+
+    def decref(self, page: int) -> bool:
+        """Drop one reference; the page returns to the free list when none is left. Returns whether it did."""
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
+            return True
+        return False
+
+    def undo_decref(self, page: int, freed: bool) -> None:
+        """Exact inverse of the latest `decref(page)` (which returned ``freed``)."""
+        if freed:
+            assert self._free[-1] == page, "undo_decref out of LIFO order"
+            self._free.pop()
+        self._refs[page] += 1
+
+    def free_list(self) -> tuple[int, ...]:
+        """The free list in order (for fingerprints and tests)."""
+        return tuple(self._free)
+
+    def ref_counts(self) -> tuple[int, ...]:
+        return tuple(self._refs)
+
+    def check_invariants(self, page_tables: Iterable[Iterable[int]]) -> None:
+        """Raise AssertionError unless free + in use == total, each ref count equals the number of page tables
+        holding the page, nothing is both free and mapped, and the free list has no duplicates."""
+        held = Counter(page for table in page_tables for page in table if page >= 0)
+        free = set(self._free)
+        assert len(free) == len(self._free), f"duplicates in the free list: {sorted(self._free)}"
+        assert not free & held.keys(), f"pages both free and mapped: {sorted(free & held.keys())}"
+        in_use = [p for p in range(self.num_pages) if self._refs[p] > 0]
+        assert len(free) + len(in_use) == self.num_pages, (
+            f"free {len(free)} + in use {len(in_use)} != total {self.num_pages}")
+        for page in range(self.num_pages):
+            assert self._refs[page] == held.get(page, 0), (
+                f"page {page}: ref count {self._refs[page]} but held by {held.get(page, 0)} page tables")
+            assert (self._refs[page] == 0) == (page in free), f"page {page}: ref count 0 iff free violated"

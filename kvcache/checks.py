@@ -1,0 +1,75 @@
+"""Argument checks shared by the cache and the decoder: each error names the argument, expected and given."""
+import numbers
+
+import numpy as np
+
+STORAGE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def check_int(name: str, value, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """Return ``value`` as int if it is an integer (not bool) in ``[minimum, maximum]``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < minimum or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}: expected an integer {bounds}, got {value}")
+    return value
+
+
+def check_storage_dtype(name: str, dtype) -> np.dtype:
+    """Return the numpy dtype for "float16" / "float32" / "float64" (or the numpy types)."""
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in STORAGE_DTYPES:
+        raise TypeError(f"{name}: expected one of float16, float32, float64, got {dtype!r}")
+    return resolved
+
+
+def as_float_array(name: str, value) -> np.ndarray:
+    """``value`` as an ndarray of a real floating dtype; TypeError for int, bool, complex, object, str."""
+    array = np.asarray(value)
+    if array.dtype.kind != "f":
+        raise TypeError(f"{name}: expected a real floating-point array, got dtype {array.dtype}")
+    return array
+
+
+def check_shape(name: str, array: np.ndarray, expected: tuple, labels: str) -> None:
+    """Raise ValueError unless ``array.shape == expected`` (``labels`` names the dimensions)."""
+    if array.shape != expected:
+        raise ValueError(f"{name}: expected shape {labels} = {expected}, got {array.shape}")
+
+
+def first_nonfinite(array: np.ndarray):
+    """Index tuple and value of the first non-finite element, or None."""
+    bad = np.argwhere(~np.isfinite(array))
+    if len(bad) == 0:
+        return None
+    index = tuple(int(i) for i in bad[0])
+    return index, array[index]
+
+
+def check_finite(name: str, array: np.ndarray) -> None:
+    """Raise ValueError naming the first non-finite element of ``array``."""
+    if not np.isfinite(array).all():
+        index, value = first_nonfinite(array)
+        raise ValueError(f"{name}: expected finite values, got {value} at index {index}")
+
+
+def cast_to_storage(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Cast ``array`` to the storage dtype and reject anything not finite *after* the cast.
+
+    A finite float64 such as 1e6 becomes inf in float16: that is rejected here, naming the original value.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = array.astype(dtype, copy=False)
+    if not np.isfinite(cast).all():
+        index, _ = first_nonfinite(cast)
+        original = array[index]
+        if np.isfinite(original):
+            raise ValueError(f"{name}: expected values finite in {dtype} storage (|x| <= {np.finfo(dtype).max}), "
+                             f"got {original} at index {index}")
+        raise ValueError(f"{name}: expected finite values, got {original} at index {index}")
+    return cast

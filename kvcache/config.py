@@ -1,0 +1,69 @@
+"""The frozen layout of a cache pool."""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .checks import check_int, check_storage_dtype
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Layout of one pool: every layer has K pages ``[num_pages, num_kv_heads, page_size, head_dim]`` and
+    V pages ``[num_pages, num_kv_heads, page_size, head_dim_v]`` in the storage ``dtype``.
+
+    The head-major page layout (heads outside tokens) keeps each head's keys of a page contiguous, so the
+    decode kernel streams ``page_size * head_dim`` elements per (page, head); it measured 1.3-2.5x faster
+    than the token-major ``[num_pages, page_size, num_kv_heads, head_dim]`` (docs/kernel.md).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    page_size: int
+    num_pages: int
+    dtype: np.dtype
+
+    @classmethod
+    def build(cls, *, num_layers=1, num_kv_heads, head_dim, head_dim_v=None, page_size=16, num_pages=None,
+              max_tokens=None, dtype="float32") -> "CacheConfig":
+        """Check every argument; ``num_pages`` or ``max_tokens`` (rounded up to whole pages) sizes the pool."""
+        page_size = check_int("page_size", page_size, minimum=1)
+        if (num_pages is None) == (max_tokens is None):
+            raise ValueError(f"num_pages/max_tokens: expected exactly one of them, "
+                             f"got num_pages={num_pages!r}, max_tokens={max_tokens!r}")
+        if num_pages is None:
+            num_pages = -(-check_int("max_tokens", max_tokens, minimum=1) // page_size)
+        head_dim = check_int("head_dim", head_dim, minimum=1)
+        return cls(num_layers=check_int("num_layers", num_layers, minimum=1),
+                   num_kv_heads=check_int("num_kv_heads", num_kv_heads, minimum=1),
+                   head_dim=head_dim,
+                   head_dim_v=head_dim if head_dim_v is None else check_int("head_dim_v", head_dim_v, minimum=1),
+                   page_size=page_size,
+                   num_pages=check_int("num_pages", num_pages, minimum=1),
+                   dtype=check_storage_dtype("dtype", dtype))
+
+    @property
+    def k_page_shape(self) -> tuple:
+        """``[num_pages, num_kv_heads, page_size, head_dim]`` of one layer."""
+        return (self.num_pages, self.num_kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def v_page_shape(self) -> tuple:
+        """``[num_pages, num_kv_heads, page_size, head_dim_v]`` of one layer."""
+        return (self.num_pages, self.num_kv_heads, self.page_size, self.head_dim_v)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token over all layers."""
+        return (self.num_layers * self.num_kv_heads * (self.head_dim + self.head_dim_v)
+                * self.dtype.itemsize)
+
+    @property
+    def bytes_per_page(self) -> int:
+        """K and V bytes of one page over all layers."""
+        return self.bytes_per_token * self.page_size
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages that hold ``tokens`` tokens (ceil division)."""
+        return -(-tokens // self.page_size)

@@ -1,0 +1,31 @@
+"""Exceptions of the KV cache.
+
+Input errors are the built-in `ValueError` / `TypeError` (their messages name the argument, what was expected
+and what was given); the cache adds only the conditions a caller may want to catch on their own.
+"""
+
+
+class CacheFullError(RuntimeError):
+    """The pool has too few free pages for a request; nothing was changed.
+
+    Attributes
+    ----------
+    pages_needed : int   pages the request would take from the free list
+    pages_free : int     pages free when the request was made
+    num_pages : int      pages in the whole pool
+    could_ever_fit : bool  whether the request fits once other sequences free their pages
+    """
+
+    def __init__(self, pages_needed: int, pages_free: int, num_pages: int, could_ever_fit: bool, what: str = ""):
+        self.pages_needed = pages_needed
+        self.pages_free = pages_free
+        self.num_pages = num_pages
+        self.could_ever_fit = could_ever_fit
+        hint = ("it fits once other sequences free pages" if could_ever_fit
+                else f"it can never fit: the pool has only {num_pages} pages")
+        prefix = f"{what}: " if what else ""
+        super().__init__(f"{prefix}needs {pages_needed} free pages, {pages_free} of {num_pages} are free; {hint}")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a `kvcache.faults.FaultInjector` at a chosen fault point (tests only)."""
