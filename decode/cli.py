@@ -1,0 +1,126 @@
+"""The console command ``kvengine``: audit, memory, demo, bench.
+
+    kvengine audit  --out DIR     reproduce the source document's figures (reference lab) and run the engine
+                                  on its 3-token example; last line ATTENTION_AUDIT_OK when all checks pass
+    kvengine memory [--json]      KV bytes: formula vs allocated vs used vs measured RSS, MHA / GQA / MQA
+    kvengine demo                 a small random transformer decoding greedily through the engine
+    kvengine bench [--quick]      the pytest-benchmark suite
+"""
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def engine_example_check() -> tuple[bool, str]:
+    """Decode the document's 3 tokens one by one through `Decoder` (float64 and float32 storage) and compare
+    with the dense reference; returns (passed, summary)."""
+    import numpy as np
+
+    from reference.dense import attention_context
+    from reference.example import example_qkv
+
+    from .decoder import Decoder
+
+    q, k, v = example_qkv()
+    expected = attention_context(q, k, v)                                      # [3, 2] float64
+    lines, passed = [], True
+    for dtype, tol in (("float64", 1e-15), ("float32", 1e-6)):
+        dec = Decoder(num_q_heads=1, num_kv_heads=1, head_dim=4, head_dim_v=2, dtype=dtype, page_size=2,
+                      max_tokens=3)
+        rows = np.array([dec.step(q[i:i + 1], k[i:i + 1], v[i:i + 1])[0] for i in range(3)])
+        err = float(np.max(np.abs(rows - expected)))
+        ok = err <= tol
+        passed &= ok
+        lines.append(f"  engine {dtype}: context row 2 = {rows[2].round(6).tolist()}, "
+                     f"max error vs reference {err:.3g} (tolerance {tol:g}) {'PASS' if ok else 'FAIL'}")
+    return passed, "\n".join(lines)
+
+
+def cmd_audit(args) -> int:
+    from reference import audit
+
+    argv = ["--out", args.out] + (["--reference", args.reference] if args.reference else [])
+    passed, summary = engine_example_check()
+    print("Engine on the document's example (Decoder.step, one token at a time):")
+    print(summary)
+    if not passed:
+        print("ENGINE EXAMPLE CHECK FAILED")
+        return 1
+    return audit.main(argv)
+
+
+def cmd_memory(args) -> int:
+    from kvcache import memory
+
+    try:
+        rows = memory.memory_report(layers=args.layers, num_q_heads=args.q_heads, kv_heads=tuple(args.kv_heads),
+                                    tokens=args.tokens, head_dim=args.head_dim, dtype=args.dtype,
+                                    batch=args.batch, page_size=args.page_size, measure=not args.no_measure)
+    except ValueError as exc:
+        print(f"kvengine memory: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=2) if args.json else memory.format_table(rows))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from . import demo
+
+    return demo.main(args)
+
+
+def cmd_bench(args) -> int:
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "pytest", str(root / "benchmarks"), "--benchmark-only"]
+    if args.quick:
+        cmd.append("--quick")
+    if args.json:
+        cmd.append(f"--benchmark-json={args.json}")
+    return subprocess.call(cmd, cwd=root)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvengine", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("audit", help="reproduce the source document's figures")
+    p.add_argument("--out", default="audit-out", help="directory for the CSV/JSON results (default audit-out)")
+    p.add_argument("--reference", default=None, help="committed reference copy to compare with")
+    p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("memory", help="KV bytes: formula vs measured")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8, 1])
+    p.add_argument("--tokens", type=int, default=10_000)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="float16", choices=["float16", "float32", "float64"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--no-measure", action="store_true", help="formula and accounting only, no RSS measurement")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("demo", help="decode with a small random transformer through the engine")
+    p.add_argument("--tokens", type=int, default=256, help="tokens to generate")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="run the benchmark suite")
+    p.add_argument("--quick", action="store_true", help="small shapes only")
+    p.add_argument("--json", default=None, help="save pytest-benchmark JSON here")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""`Decoder`: one sequence of a paged KV cache, decoded a token (or a block of tokens) at a time.
+
+    dec = Decoder(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="float32", page_size=16, max_tokens=4096)
+    out = dec.step(q, k, v)        # q [num_q_heads, head_dim] -> [num_q_heads, head_dim_v]
+    outs = dec.extend(q, k, v)     # q [T, num_q_heads, head_dim] -> [T, num_q_heads, head_dim_v]
+
+Every call validates all of its input before the cache changes; after any error the decoder and its pool are
+exactly as before. Query ``i`` of a call sits at absolute position ``length + i`` and reads keys at positions
+``<= length + i`` (and ``> position - window`` with a sliding window).
+"""
+import numpy as np
+
+from kvcache import KVCache
+from kvcache.checks import as_float_array, check_finite, check_int, check_shape
+
+from .attention import _paged_decode_attention_unchecked
+
+
+class Decoder:
+    """Decode one sequence over a paged KV cache.
+
+    Parameters
+    ----------
+    num_q_heads, num_kv_heads, head_dim : int   num_q_heads must be a multiple of num_kv_heads (GQA / MQA)
+    head_dim_v : int or None                    V head size (None: head_dim)
+    dtype : "float16" | "float32" | "float64"   storage dtype; outputs are float32 (float64 for float64)
+    page_size, max_tokens : int                 a private pool of ceil(max_tokens / page_size) pages
+    scale : float or None                       score scale (None: 1 / sqrt(head_dim))
+    window : int or None                        sliding window: position p reads keys in (p - window, p];
+                                                pages wholly before every future window go back to the pool
+    num_layers : int                            layers in the private pool (steps of several layers go
+                                                through `transaction`)
+    """
+
+    def __init__(self, num_q_heads, num_kv_heads, head_dim, head_dim_v=None, dtype="float32", page_size=16,
+                 max_tokens=4096, *, scale=None, window=None, num_layers=1):
+        cache = KVCache(num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype,
+                        page_size=page_size, max_tokens=max_tokens, num_layers=num_layers)
+        self._attach(cache, cache.create_sequence(), num_q_heads, scale, window)
+
+    @classmethod
+    def on_cache(cls, cache: KVCache, num_q_heads, *, scale=None, window=None) -> "Decoder":
+        """A decoder of a new, empty sequence in an existing (shared) ``cache`` (continuous batching)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a kvcache.KVCache, got {type(cache).__name__}")
+        self = cls.__new__(cls)
+        self._attach(cache, cache.create_sequence(), num_q_heads, scale, window)
+        return self
+
+    def _attach(self, cache: KVCache, seq: int, num_q_heads, scale, window) -> None:
+        cfg = cache.config
+        num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
+        if num_q_heads % cfg.num_kv_heads:
+            raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")
+        if scale is None:
+            scale = 1.0 / np.sqrt(cfg.head_dim)
+        elif isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale) or not np.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+        self.cache, self.seq = cache, seq
+        self.num_q_heads = num_q_heads
+        self.scale = float(scale)
+        self.window = 0 if window is None else check_int("window", window, minimum=1)
+        self.q_dtype = np.dtype(np.float64 if cfg.dtype == np.float64 else np.float32)
+
+    # -- state --------------------------------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.cache.config
+
+    @property
+    def length(self) -> int:
+        """Tokens in the cache (the absolute position of the next token)."""
+        return self.cache.length(self.seq)
+
+    def kv(self, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Dense copies ``K [length, num_kv_heads, head_dim]``, ``V [length, num_kv_heads, head_dim_v]`` in the
+        storage dtype (from `first_position` on, once a sliding window released older pages)."""
+        return self.cache.gather(self.seq, layer)
+
+    # -- single-layer API ---------------------------------------------------------------------------------
+    def step(self, q, k, v) -> np.ndarray:
+        """Append one token's ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` at position
+        `length`, then return ``[num_q_heads, head_dim_v]``: ``q [num_q_heads, head_dim]`` attending over
+        positions ``0 .. length`` (the new token included)."""
+        q, k, v = self._check_token(q, k, v)
+        return self.extend(q[None], k[None], v[None])[0]
+
+    def extend(self, q, k, v) -> np.ndarray:
+        """Append T tokens and attend with T queries: ``q [T, num_q_heads, head_dim]``,
+        ``k [T, num_kv_heads, head_dim]``, ``v [T, num_kv_heads, head_dim_v]`` -> ``[T, num_q_heads, head_dim_v]``.
+        Query i sits at position ``start + i`` (start = `length` before the call) and reads keys ``<= start + i``."""
+        self._single_layer("extend")
+        with self.transaction(self._num_tokens(k)) as tx:
+            return tx.extend(0, q, k, v)
+
+    def append(self, k, v) -> None:
+        """Append T tokens of K/V with no query (a prefill computed elsewhere): ``k [T, num_kv_heads, head_dim]``."""
+        self._single_layer("append")
+        with self.transaction(self._num_tokens(k)) as tx:
+            tx.append(0, k, v)
+
+    # -- all layers ---------------------------------------------------------------------------------------
+    def transaction(self, num_tokens: int = 1) -> "DecoderTransaction":
+        """Reserve ``num_tokens`` positions in every layer; write and attend layer by layer inside it::
+
+            with dec.transaction(1) as tx:
+                for layer in range(num_layers):
+                    out = tx.step(layer, q[layer], k[layer], v[layer])
+
+        The tokens become visible (``length`` grows) when the block exits normally; on any exception every
+        layer's write is undone."""
+        return DecoderTransaction([self], {self.seq: check_int("num_tokens", num_tokens)})
+
+    def truncate(self, n: int) -> None:
+        """Prefix invalidation: keep positions ``[0, n)``; later appends write from ``n``."""
+        n = check_int("n", n, maximum=self.length)
+        if self.window:
+            needed = max(0, n - self.window + 1)
+            if needed < self.cache.first_position(self.seq):
+                raise ValueError(f"n: expected >= {self.cache.first_position(self.seq) + self.window - 1} "
+                                 f"(K/V before position {self.cache.first_position(self.seq)} was released by the "
+                                 f"sliding window), got {n}")
+        self.cache.truncate(self.seq, n)
+
+    def fork(self) -> "Decoder":
+        """A decoder of a new sequence sharing this one's pages (copy-on-write); both then go their own way."""
+        child = type(self).__new__(type(self))
+        child._attach(self.cache, self.cache.fork(self.seq), self.num_q_heads, self.scale, self.window or None)
+        return child
+
+    def free(self) -> None:
+        """Give this sequence's pages back to the pool; the decoder is unusable afterwards."""
+        self.cache.free(self.seq)
+
+    def _release_outside_window(self) -> None:
+        """With a sliding window, give back the pages no future query can read (positions < length - window + 1)."""
+        if self.window and self.length - self.window + 1 > self.cache.first_position(self.seq):
+            self.cache.release_before(self.seq, self.length - self.window + 1)
+
+    # -- checks -------------------------------------------------------------------------------------------
+    def _single_layer(self, what: str) -> None:
+        if self.config.num_layers != 1:
+            raise ValueError(f"{what}: expected a one-layer cache (use transaction() for several layers), "
+                             f"got num_layers={self.config.num_layers}")
+
+    def _num_tokens(self, k) -> int:
+        shape = np.shape(k)
+        if len(shape) != 3:
+            raise ValueError(f"k: expected shape [T, num_kv_heads, head_dim], got {shape}")
+        return shape[0]
+
+    def _check_token(self, q, k, v):
+        cfg = self.config
+        q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
+        check_shape("q", q, (self.num_q_heads, cfg.head_dim), "[num_q_heads, head_dim]")
+        check_shape("k", k, (cfg.num_kv_heads, cfg.head_dim), "[num_kv_heads, head_dim]")
+        check_shape("v", v, (cfg.num_kv_heads, cfg.head_dim_v), "[num_kv_heads, head_dim_v]")
+        return q, k, v
+
+    def check_query(self, q, num_tokens: int) -> np.ndarray:
+        """``q [T, num_q_heads, head_dim]`` validated (float, finite) and cast to the working precision."""
+        q = as_float_array("q", q)
+        check_shape("q", q, (num_tokens, self.num_q_heads, self.config.head_dim), "[T, num_q_heads, head_dim]")
+        check_finite("q", q)
+        return np.ascontiguousarray(q, dtype=self.q_dtype)
+
+
+class DecoderTransaction:
+    """Tokens of one or more decoders (one pool) being written layer by layer; see `Decoder.transaction`."""
+
+    def __init__(self, decoders: list[Decoder], num_tokens: dict[int, int]):
+        self.decoders = decoders
+        self.cache = decoders[0].cache
+        self.num_tokens = num_tokens
+        self._tx = self.cache.transaction(num_tokens)
+        self.start = [self._tx.start[d.seq] for d in decoders]
+
+    def __enter__(self) -> "DecoderTransaction":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._tx.__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            for d in self.decoders:
+                d._release_outside_window()
+
+    def commit(self) -> None:
+        self.__exit__(None, None, None)
+
+    def rollback(self) -> None:
+        self._tx.rollback()
+
+    def append(self, layer: int, k, v) -> None:
+        """Write one layer's K/V of the (single) decoder: ``k [T, num_kv_heads, head_dim]``."""
+        self._tx.write(layer, self.decoders[0].seq, k, v)
+
+    def extend(self, layer: int, q, k, v) -> np.ndarray:
+        """Write one layer's K/V of the (single) decoder and attend with its T queries -> ``[T, num_q_heads, head_dim_v]``."""
+        dec = self.decoders[0]
+        try:
+            q = dec.check_query(q, self.num_tokens[dec.seq])
+        except BaseException:
+            self._tx.rollback()
+            raise
+        self._tx.write(layer, dec.seq, k, v)
+        positions = np.arange(self.start[0], self.start[0] + len(q), dtype=np.int64)
+        return self._attend(layer, q, np.zeros(len(q), dtype=np.int32), positions)
+
+    def step(self, layer: int, q, k, v) -> np.ndarray:
+        """One token per decoder: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``,
+        ``v [B, num_kv_heads, head_dim_v]`` with B = number of decoders (B axis optional for one decoder)."""
+        single = np.ndim(q) == 2 and len(self.decoders) == 1
+        if single:
+            q, k, v = np.asarray(q)[None], np.asarray(k)[None], np.asarray(v)[None]
+        out = self._step_batch(layer, q, k, v)
+        return out[0] if single else out
+
+    def _step_batch(self, layer, q, k, v) -> np.ndarray:
+        count = len(self.decoders)
+        try:
+            q = self.decoders[0].check_query(q, count)
+            k, v = self.cache.check_kv(k, v, count, layered=False)       # [B, H, D]: one token per sequence
+        except BaseException:
+            self._tx.rollback()
+            raise
+        for i, dec in enumerate(self.decoders):
+            self._tx.write(layer, dec.seq, k[i:i + 1], v[i:i + 1], checked=True)
+        return self._attend(layer, q, np.arange(count, dtype=np.int32), np.array(self.start, dtype=np.int64))
+
+    def _attend(self, layer, q, query_seq, query_pos) -> np.ndarray:
+        dec, cache = self.decoders[0], self.cache
+        tables = [self._tx.pages(d.seq) for d in self.decoders]
+        if len(tables) == 1:
+            indices, indptr = tables[0], np.array([0, len(tables[0])], dtype=np.int64)
+        else:
+            indices = np.concatenate(tables)
+            indptr = np.zeros(len(tables) + 1, dtype=np.int64)
+            np.cumsum([len(t) for t in tables], out=indptr[1:])
+        out = np.empty((len(q), dec.num_q_heads, cache.config.head_dim_v), dtype=dec.q_dtype)
+        try:
+            _paged_decode_attention_unchecked(q, cache.k_pages(layer), cache.v_pages(layer), indices, indptr,
+                                              query_seq, query_pos, dec.scale, dec.window, out)
+        except BaseException:
+            self._tx.rollback()
+            raise
+        return out
+
+
+def batch_transaction(decoders) -> DecoderTransaction:
+    """One token for each of ``decoders`` (distinct sequences of one shared pool), written layer by layer;
+    ``tx.step(layer, q, k, v)`` decodes all of them in one kernel call. All or none of the tokens land."""
+    decoders = list(decoders)
+    if not decoders or not all(isinstance(d, Decoder) for d in decoders):
+        raise TypeError(f"decoders: expected a non-empty list of Decoder, got {decoders!r}")
+    first = decoders[0]
+    for d in decoders[1:]:
+        if d.cache is not first.cache:
+            raise ValueError("decoders: expected decoders sharing one cache (Decoder.on_cache), got several caches")
+        if (d.num_q_heads, d.scale, d.window) != (first.num_q_heads, first.scale, first.window):
+            raise ValueError(f"decoders: expected one num_q_heads/scale/window, got "
+                             f"{(first.num_q_heads, first.scale, first.window)} and {(d.num_q_heads, d.scale, d.window)}")
+    seqs = [d.seq for d in decoders]
+    if len(set(seqs)) != len(seqs):
+        raise ValueError(f"decoders: expected distinct sequences, got sequence ids {seqs}")
+    return DecoderTransaction(decoders, {seq: 1 for seq in seqs})
+
+
+def batch_step(decoders, q, k, v) -> np.ndarray:
+    """Continuous batching on a one-layer pool: append one token to each decoder and attend, in one kernel call.
+
+    ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``, ``v [B, num_kv_heads, head_dim_v]``
+    -> ``[B, num_q_heads, head_dim_v]``; row b is decoder b's query at its own position (lengths may differ).
+    """
+    decoders = list(decoders)
+    if decoders and isinstance(decoders[0], Decoder):
+        decoders[0]._single_layer("batch_step")
+    with batch_transaction(decoders) as tx:
+        return tx._step_batch(0, q, k, v)
