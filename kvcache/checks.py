@@ -20,10 +20,11 @@ def check_int(name: str, value, *, minimum: int = 0, maximum: int | None = None)
 def check_storage_dtype(name: str, dtype) -> np.dtype:
     """Return the numpy dtype for "float16" / "float32" / "float64" (or the numpy types)."""
     try:
-        resolved = np.dtype(dtype)
+        resolved = None if dtype is None else np.dtype(dtype)    # np.dtype(None) would be float64
     except TypeError:
         resolved = None
-    if resolved not in STORAGE_DTYPES:
+    # not `resolved not in STORAGE_DTYPES`: `np.dtype("float64") == None` is True, so None would pass
+    if resolved is None or not any(resolved == d for d in STORAGE_DTYPES):
         raise TypeError(f"{name}: expected one of float16, float32, float64, got {dtype!r}")
     return resolved
 
