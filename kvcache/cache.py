@@ -189,9 +189,10 @@ class KVCache:
             pool[:, new_page] = pool[:, old_page]
         s.table[logical] = new_page
         journal.record(lambda: s.table.__setitem__(logical, old_page))
-        self._fault_hook("cow_decref")
-        freed = self.allocator.decref(old_page)
-        journal.record(lambda: self.allocator.undo_decref(old_page, freed))
+        # Keep the reference to the old page until commit: a rollback points ``s`` back at it, so nobody else
+        # may write into it (or free and reuse it) while the transaction is open.
+        s.held.append(old_page)
+        journal.record(s.held.pop)
 
     def _write(self, layer: int, seq: int, start: int, k: np.ndarray, v: np.ndarray, journal: Journal) -> None:
         """Write ``k [T, H, D]``, ``v [T, H, Dv]`` at positions ``start ..`` of ``seq`` in ``layer``, a page
@@ -216,6 +217,9 @@ class KVCache:
             s = self._sequences[seq]
             s.length = start[seq] + count
             s.busy = False
+            for page in s.held:
+                self.allocator.decref(page)
+            s.held.clear()
 
     # -- truncate, fork, free, release --------------------------------------------------------------------
     def truncate(self, seq: int, n: int) -> None:
@@ -318,7 +322,7 @@ class KVCache:
         table matches its length."""
         with self._lock:
             cfg = self.config
-            tables = [s.live_pages().tolist() for s in self._sequences.values()]
+            tables = [s.live_pages().tolist() + s.held for s in self._sequences.values()]
             self.allocator.check_invariants(tables)
             for seq, s in self._sequences.items():
                 if not s.busy:
@@ -336,5 +340,5 @@ class KVCache:
             h.update(self._v.tobytes())
             h.update(repr((self.allocator.free_list(), self.allocator.ref_counts(), self._next_id)).encode())
             for seq, s in sorted(self._sequences.items()):
-                h.update(repr((seq, s.length, s.first_live_page, s.busy, s.pages().tolist())).encode())
+                h.update(repr((seq, s.length, s.first_live_page, s.busy, s.pages().tolist(), s.held)).encode())
         return h.hexdigest()

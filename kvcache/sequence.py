@@ -7,7 +7,7 @@ import numpy as np
 
 
 class Sequence:
-    __slots__ = ("length", "table", "num_logical_pages", "first_live_page", "busy")
+    __slots__ = ("length", "table", "num_logical_pages", "first_live_page", "busy", "held")
 
     def __init__(self, table: np.ndarray | None = None, length: int = 0, first_live_page: int = 0):
         self.table = np.full(4, -1, dtype=np.int32) if table is None else table   # capacity grows by doubling
@@ -15,6 +15,7 @@ class Sequence:
         self.length = length
         self.first_live_page = first_live_page
         self.busy = False        # a transaction is open on it
+        self.held: list[int] = []  # pages an open transaction copied-on-write away from; released at commit
 
     def pages(self) -> np.ndarray:
         """``int32 [num_logical_pages]``: a view of the page table (-1 for released pages)."""

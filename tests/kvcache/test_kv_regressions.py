@@ -15,3 +15,52 @@ def test_unknown_dtype_names_are_rejected(dtype):
         check_storage_dtype("dtype", dtype)
     with pytest.raises(TypeError, match="dtype: expected one of"):
         kvcache.KVCache(num_kv_heads=1, head_dim=2, num_pages=1, dtype=dtype)
+
+
+# -- 2. copy-on-write dropped the old page's reference at begin, not at commit -----------------------------
+# A transaction that copied a shared tail page away decref'd the original at once. While it was open, a
+# sibling could then write into that page in place (ref count 1) or free it; rolling back pointed the
+# sequence at the original again: it read the sibling's tokens, or a page that was on the free list.
+def _forked_pair():
+    cache = kvcache.KVCache(num_kv_heads=1, head_dim=2, page_size=4, num_pages=4)
+    a = cache.create_sequence()
+    rows = np.arange(6.0).reshape(3, 1, 2)
+    cache.append(a, rows, rows)                       # 3 tokens: page 0 partially filled
+    b = cache.fork(a)                                 # page 0 shared, ref count 2
+    return cache, a, b, rows
+
+
+def test_rollback_after_sibling_writes_into_the_shared_page():
+    cache, a, b, rows = _forked_pair()
+    cache.truncate(b, 1)
+    tx = cache.transaction({a: 1})                    # a copies page 0 away
+    cache.append(b, np.full((2, 1, 2), 99.0), np.full((2, 1, 2), 99.0))   # must copy too, not write in place
+    tx.rollback()
+    k, v = cache.gather(a)
+    np.testing.assert_array_equal(k, rows.astype(np.float32))
+    np.testing.assert_array_equal(v, rows.astype(np.float32))
+    np.testing.assert_array_equal(cache.gather(b)[0][1:], np.full((2, 1, 2), 99.0, np.float32))
+    cache.check_invariants()
+
+
+def test_rollback_after_sibling_is_freed():
+    cache, a, b, rows = _forked_pair()
+    tx = cache.transaction({a: 1})
+    cache.check_invariants()                          # the copied-away page is still held by the transaction
+    cache.free(b)
+    tx.rollback()
+    cache.check_invariants()                          # was: "pages both free and mapped: [0]"
+    np.testing.assert_array_equal(cache.gather(a)[0], rows.astype(np.float32))
+    cache.free(a)
+    assert cache.num_free_pages == 4
+    cache.check_invariants()
+
+
+def test_commit_releases_the_copied_away_page():
+    cache, a, b, rows = _forked_pair()
+    with cache.transaction({a: 1}) as tx:
+        tx.write(0, a, np.ones((1, 1, 2)), np.ones((1, 1, 2)))
+        assert cache.allocator.ref_count(0) == 2      # b's table + the open transaction
+    assert cache.allocator.ref_count(0) == 1          # b only
+    assert cache.num_free_pages == 2
+    cache.check_invariants()
