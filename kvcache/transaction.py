@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .checks import check_int
 from .journal import Journal
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class Transaction:
             if seq not in self.num_tokens:
                 raise ValueError(f"seq: expected one of the transaction's sequences {sorted(self.num_tokens)}, "
                                  f"got {seq!r}")
+            layer = check_int("layer", layer, maximum=self.cache.config.num_layers - 1)
             if not checked:
                 k, v = self.cache.check_kv(k, v, self.num_tokens[seq], layered=False)
             self.cache._write(layer, seq, self.start[seq], k, v, self._journal)

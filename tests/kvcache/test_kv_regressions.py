@@ -64,3 +64,36 @@ def test_commit_releases_the_copied_away_page():
     assert cache.allocator.ref_count(0) == 1          # b only
     assert cache.num_free_pages == 2
     cache.check_invariants()
+
+
+# -- 3. Transaction.write did not check ``layer`` ------------------------------------------------------------
+# layer=True wrote layer 1 but `written[True] = True` marked *every* layer written, so a commit published
+# layer 0's unwritten slots; layer=-1 wrote the last layer; floats and out-of-range layers raised IndexError.
+def _two_layer_tx():
+    cache = kvcache.KVCache(num_kv_heads=1, head_dim=2, page_size=4, num_pages=2, num_layers=2)
+    seq = cache.create_sequence()
+    return cache, seq, cache.transaction({seq: 1})
+
+
+@pytest.mark.parametrize("layer, error, message", [
+    (True, TypeError, "layer: expected an integer, got bool True"),
+    (1.0, TypeError, "layer: expected an integer, got float 1.0"),
+    (-1, ValueError, r"layer: expected an integer in \[0, 1\], got -1"),
+    (2, ValueError, r"layer: expected an integer in \[0, 1\], got 2"),
+])
+def test_transaction_write_checks_layer(layer, error, message):
+    cache, seq, tx = _two_layer_tx()
+    with pytest.raises(error, match=message):
+        tx.write(layer, seq, np.ones((1, 1, 2)), np.ones((1, 1, 2)))
+    assert tx.state == "rolled back"
+    cache.check_invariants()
+    assert cache.length(seq) == 0 and cache.num_free_pages == 2
+
+
+def test_bool_layer_cannot_fake_a_complete_transaction():
+    cache, seq, tx = _two_layer_tx()
+    with pytest.raises(TypeError):
+        tx.write(True, seq, np.ones((1, 1, 2)), np.ones((1, 1, 2)))
+    with pytest.raises(RuntimeError, match="rolled back"):
+        tx.commit()
+    assert cache.length(seq) == 0
