@@ -97,7 +97,8 @@ class Transaction:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.commit()
+            if self.state != "committed":        # an explicit commit() inside the block is fine
+                self.commit()
         else:
             self.rollback()
 

@@ -97,3 +97,28 @@ def test_bool_layer_cannot_fake_a_complete_transaction():
     with pytest.raises(RuntimeError, match="rolled back"):
         tx.commit()
     assert cache.length(seq) == 0
+
+
+# -- 4. an explicit commit() inside a ``with`` block made the exit raise ------------------------------------
+# __exit__ called commit() again: RuntimeError "expected an open transaction, got one that is committed".
+def test_explicit_commit_inside_with_block():
+    cache = kvcache.KVCache(num_kv_heads=1, head_dim=2, page_size=4, num_pages=2)
+    seq = cache.create_sequence()
+    with cache.transaction({seq: 1}) as tx:
+        tx.write(0, seq, np.ones((1, 1, 2)), np.ones((1, 1, 2)))
+        tx.commit()
+    assert tx.state == "committed" and cache.length(seq) == 1
+    cache.check_invariants()
+
+
+def test_normal_exit_after_a_swallowed_write_error_still_raises():
+    # the block caught the write's error and carried on: the exit must not pretend the tokens were stored
+    cache = kvcache.KVCache(num_kv_heads=1, head_dim=2, page_size=4, num_pages=2)
+    seq = cache.create_sequence()
+    with pytest.raises(RuntimeError, match="got one that is rolled back"):
+        with cache.transaction({seq: 1}) as tx:
+            try:
+                tx.write(0, seq, np.full((1, 1, 2), np.nan), np.ones((1, 1, 2)))
+            except ValueError:
+                pass
+    assert cache.length(seq) == 0 and cache.num_free_pages == 2
