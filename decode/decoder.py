@@ -61,6 +61,10 @@ class Decoder:
         self.scale = float(scale)
         self.window = 0 if window is None else check_int("window", window, minimum=1)
         self.q_dtype = np.dtype(np.float64 if cfg.dtype == np.float64 else np.float32)
+        self._q_shape = (num_q_heads, cfg.head_dim)
+        self._k_shape = (cfg.num_kv_heads, cfg.head_dim)
+        self._v_shape = (cfg.num_kv_heads, cfg.head_dim_v)
+        self._query_seq1 = np.zeros(1, dtype=np.int32)
 
     # -- state --------------------------------------------------------------------------------------------
     @property
@@ -81,9 +85,28 @@ class Decoder:
     def step(self, q, k, v) -> np.ndarray:
         """Append one token's ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` at position
         `length`, then return ``[num_q_heads, head_dim_v]``: ``q [num_q_heads, head_dim]`` attending over
-        positions ``0 .. length`` (the new token included)."""
+        positions ``0 .. length`` (the new token included).
+
+        The lean path: validation, the slot reservation (`KVCache.begin_token`), the write and one kernel call."""
+        self._single_layer("step")
         q, k, v = self._check_token(q, k, v)
-        return self.extend(q[None], k[None], v[None])[0]
+        cache, seq = self.cache, self.seq
+        token = cache.begin_token(seq)
+        try:
+            token.write(0, k, v)
+            out = np.empty((1, self.num_q_heads, self.config.head_dim_v), dtype=self.q_dtype)
+            indices = cache.page_table(seq)
+            _paged_decode_attention_unchecked(q[None], cache.k_pages(0), cache.v_pages(0), indices,
+                                              np.array([0, len(indices)], dtype=np.int64), self._query_seq1,
+                                              np.array([token.position], dtype=np.int64), self.scale, self.window,
+                                              out)
+            token.commit()
+        except BaseException:
+            token.rollback()
+            raise
+        if self.window:
+            self._release_outside_window()
+        return out[0]
 
     def extend(self, q, k, v) -> np.ndarray:
         """Append T tokens and attend with T queries: ``q [T, num_q_heads, head_dim]``,
@@ -150,12 +173,22 @@ class Decoder:
         return shape[0]
 
     def _check_token(self, q, k, v):
+        """One token's q/k/v checked (shape, float dtype, finite; k/v finite after the cast to storage) and
+        converted: q to the working precision, k/v to the storage dtype."""
         cfg = self.config
-        q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
-        check_shape("q", q, (self.num_q_heads, cfg.head_dim), "[num_q_heads, head_dim]")
-        check_shape("k", k, (cfg.num_kv_heads, cfg.head_dim), "[num_kv_heads, head_dim]")
-        check_shape("v", v, (cfg.num_kv_heads, cfg.head_dim_v), "[num_kv_heads, head_dim_v]")
-        return q, k, v
+        if not (type(q) is type(k) is type(v) is np.ndarray and q.shape == self._q_shape
+                and k.shape == self._k_shape and v.shape == self._v_shape
+                and q.dtype.kind == k.dtype.kind == v.dtype.kind == "f"):
+            q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
+            check_shape("q", q, self._q_shape, "[num_q_heads, head_dim]")
+            check_shape("k", k, self._k_shape, "[num_kv_heads, head_dim]")
+            check_shape("v", v, self._v_shape, "[num_kv_heads, head_dim_v]")
+        if not np.isfinite(q).all():
+            check_finite("q", q)
+        if k.dtype != cfg.dtype or v.dtype != cfg.dtype or not (np.isfinite(k).all() and np.isfinite(v).all()):
+            k, v = self.cache.check_kv(k[None], v[None], 1, layered=False)
+            k, v = k[0], v[0]
+        return np.ascontiguousarray(q, dtype=self.q_dtype), k, v
 
     def check_query(self, q, num_tokens: int) -> np.ndarray:
         """``q [T, num_q_heads, head_dim]`` validated (float, finite) and cast to the working precision."""

@@ -27,6 +27,7 @@ from .config import CacheConfig
 from .faults import no_fault
 from .journal import Journal
 from .sequence import Sequence
+from .token import TokenWrite
 from .transaction import Transaction
 
 
@@ -153,6 +154,10 @@ class KVCache:
             self._sequence(seq)
             checked[int(seq)] = check_int(f"num_tokens[{seq}]", count)
         return Transaction(self, checked).begin()
+
+    def begin_token(self, seq: int) -> "TokenWrite":
+        """Reserve position `length` of ``seq`` for one token (the decode-step path); see `TokenWrite`."""
+        return TokenWrite(self, seq)
 
     def _reserve(self, num_tokens: dict[int, int], journal: Journal) -> None:
         """Take every page the new tokens need, copy-on-write a shared partial last page; mark busy."""
