@@ -46,6 +46,8 @@ class TokenWrite:
         storage dtype) in ``layer``; a failure rolls the token back."""
         cache = self.cache
         try:
+            if type(layer) is not int or not 0 <= layer < cache.config.num_layers:
+                raise ValueError(f"layer: expected an int in [0, {cache.config.num_layers - 1}], got {layer!r}")
             for name, pool, src in (("write_k", cache._k, k), ("write_v", cache._v, v)):
                 cache._fault_hook(name)
                 dst = pool[layer, self.page, :, self.offset]                  # [num_kv_heads, head_dim]
