@@ -11,8 +11,9 @@ exactly as before. Query ``i`` of a call sits at absolute position ``length + i`
 import numpy as np
 
 from kvcache import KVCache
-from kvcache.checks import as_float_array, check_finite, check_int, check_shape
+from kvcache.checks import as_float_array, cast_to_storage, check_int, check_shape
 
+from ._validate import first_bad_input, overflow_limit
 from .attention import _paged_decode_attention_unchecked
 
 
@@ -64,7 +65,12 @@ class Decoder:
         self._q_shape = (num_q_heads, cfg.head_dim)
         self._k_shape = (cfg.num_kv_heads, cfg.head_dim)
         self._v_shape = (cfg.num_kv_heads, cfg.head_dim_v)
-        self._query_seq1 = np.zeros(1, dtype=np.int32)
+        self._query_seq1 = np.zeros(1, dtype=np.int32)          # kernel arguments of `step`, reused
+        self._indptr = np.zeros(2, dtype=np.int64)
+        self._qpos = np.zeros(1, dtype=np.int64)
+        self._out_shape1 = (1, num_q_heads, cfg.head_dim_v)
+        self._k_pages = [cache.k_pages(layer) for layer in range(cfg.num_layers)]   # views; the pool never moves
+        self._v_pages = [cache.v_pages(layer) for layer in range(cfg.num_layers)]
 
     # -- state --------------------------------------------------------------------------------------------
     @property
@@ -87,19 +93,19 @@ class Decoder:
         `length`, then return ``[num_q_heads, head_dim_v]``: ``q [num_q_heads, head_dim]`` attending over
         positions ``0 .. length`` (the new token included).
 
-        The lean path: validation, the slot reservation (`KVCache.begin_token`), the write and one kernel call."""
+        The lean path: one jitted input check, the slot reservation (`KVCache.begin_token`), the write and
+        one kernel call."""
         self._single_layer("step")
         q, k, v = self._check_token(q, k, v)
-        cache, seq = self.cache, self.seq
-        token = cache.begin_token(seq)
+        token = self.cache.begin_token(self.seq)
         try:
             token.write(0, k, v)
-            out = np.empty((1, self.num_q_heads, self.config.head_dim_v), dtype=self.q_dtype)
-            indices = cache.page_table(seq)
-            _paged_decode_attention_unchecked(q[None], cache.k_pages(0), cache.v_pages(0), indices,
-                                              np.array([0, len(indices)], dtype=np.int64), self._query_seq1,
-                                              np.array([token.position], dtype=np.int64), self.scale, self.window,
-                                              out)
+            indices = token.pages()
+            self._indptr[1] = len(indices)
+            self._qpos[0] = token.position
+            out = np.empty(self._out_shape1, dtype=self.q_dtype)
+            _paged_decode_attention_unchecked(q[None], self._k_pages[0], self._v_pages[0], indices, self._indptr,
+                                              self._query_seq1, self._qpos, self.scale, self.window, out)
             token.commit()
         except BaseException:
             token.rollback()
@@ -175,27 +181,31 @@ class Decoder:
     def _check_token(self, q, k, v):
         """One token's q/k/v checked (shape, float dtype, finite; k/v finite after the cast to storage) and
         converted: q to the working precision, k/v to the storage dtype."""
-        cfg = self.config
+        storage = self.config.dtype
         if not (type(q) is type(k) is type(v) is np.ndarray and q.shape == self._q_shape
                 and k.shape == self._k_shape and v.shape == self._v_shape
                 and q.dtype.kind == k.dtype.kind == v.dtype.kind == "f"):
-            q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
-            check_shape("q", q, self._q_shape, "[num_q_heads, head_dim]")
-            check_shape("k", k, self._k_shape, "[num_kv_heads, head_dim]")
-            check_shape("v", v, self._v_shape, "[num_kv_heads, head_dim_v]")
-        if not np.isfinite(q).all():
-            check_finite("q", q)
-        if k.dtype != cfg.dtype or v.dtype != cfg.dtype or not (np.isfinite(k).all() and np.isfinite(v).all()):
-            k, v = self.cache.check_kv(k[None], v[None], 1, layered=False)
-            k, v = k[0], v[0]
-        return np.ascontiguousarray(q, dtype=self.q_dtype), k, v
+            return self._check_token_slowly(q, k, v)
+        kv_dtype = k.dtype if k.dtype.itemsize >= v.dtype.itemsize else v.dtype
+        if first_bad_input(q, k, v, overflow_limit(q.dtype, self.q_dtype), overflow_limit(kv_dtype, storage)) >= 0:
+            return self._check_token_slowly(q, k, v)                  # raises, naming the element
+        return (q if q.dtype == self.q_dtype and q.flags.c_contiguous else np.ascontiguousarray(q, self.q_dtype),
+                k if k.dtype == storage else k.astype(storage), v if v.dtype == storage else v.astype(storage))
+
+    def _check_token_slowly(self, q, k, v):
+        q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
+        check_shape("q", q, self._q_shape, "[num_q_heads, head_dim]")
+        check_shape("k", k, self._k_shape, "[num_kv_heads, head_dim]")
+        check_shape("v", v, self._v_shape, "[num_kv_heads, head_dim_v]")
+        q = cast_to_storage("q", q, self.q_dtype)
+        k, v = self.cache.check_kv(k[None], v[None], 1, layered=False)
+        return np.ascontiguousarray(q), k[0], v[0]
 
     def check_query(self, q, num_tokens: int) -> np.ndarray:
         """``q [T, num_q_heads, head_dim]`` validated (float, finite) and cast to the working precision."""
         q = as_float_array("q", q)
         check_shape("q", q, (num_tokens, self.num_q_heads, self.config.head_dim), "[T, num_q_heads, head_dim]")
-        check_finite("q", q)
-        return np.ascontiguousarray(q, dtype=self.q_dtype)
+        return np.ascontiguousarray(cast_to_storage("q", q, self.q_dtype))
 
 
 class DecoderTransaction:

@@ -58,6 +58,10 @@ class TokenWrite:
             self.rollback()
             raise
 
+    def pages(self) -> np.ndarray:
+        """``int32 [num_logical_pages]``: the page table including the reserved slot's page."""
+        return self._s.pages()
+
     def commit(self) -> None:
         cache = self.cache
         try:
