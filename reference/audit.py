@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import platform
 import sys
@@ -582,8 +583,6 @@ def compare_with_reference(out: Path, reference: Path) -> dict:
 
 
 def _committed_hash_changes(reference: Path, hashes: dict) -> list:
-    import json
-
     path = reference / "audit.json"
     try:
         committed = json.loads(path.read_text(encoding="utf-8")).get("sources", {})
