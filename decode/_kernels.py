@@ -1,0 +1,626 @@
+"""Numba kernels for paged single-query ("decode") attention.
+
+Everything here takes arrays and scalars only: no globals, no objects, no checks. The validating entry point is
+`decode.attention.paged_decode_attention`; read `docs/kernel.md` for the algorithm and the measurements.
+
+Layout (per layer):
+    q:            [num_queries, num_q_heads, head_dim]              compute dtype (float32 or float64)
+    k_pages:      [num_pages, num_kv_heads, page_size, head_dim]    float32 / float64 / uint16 (= float16 bits)
+    v_pages:      [num_pages, num_kv_heads, page_size, head_dim_v]  same dtype as k_pages
+    page_indices: int32 [total_pages]      CSR pages of every sequence (-1 = freed, never read)
+    page_indptr:  int64 [num_seqs + 1]
+    query_seq:    int32 [num_queries]      the CSR row of each query
+    query_pos:    int64 [num_queries]      absolute position p of each query; it sees keys lo..p
+    out:          [num_queries, num_q_heads, head_dim_v]            compute dtype
+
+Compute dtype: float32 for float16 (uint16) and float32 storage, float64 for float64 storage.
+"""
+import math
+import os
+import tempfile
+
+import numpy as np
+
+
+def _writable_dir(path):
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError:
+        return False
+
+
+def _configure_cache_dir():
+    """`cache=True` writes next to this file (`__pycache__`). When that is impossible (read-only install) and the
+    user set no NUMBA_CACHE_DIR, point numba at a per-user cache directory instead, before any decorator runs."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return None
+    if _writable_dir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")):
+        return None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    uid = os.getuid() if hasattr(os, "getuid") else os.getpid()
+    for cand in (os.path.join(base, "pagedkv", "numba"),
+                 os.path.join(tempfile.gettempdir(), "pagedkv-numba-%s" % uid)):
+        if _writable_dir(cand):
+            os.environ["NUMBA_CACHE_DIR"] = cand
+            from numba.core import config as _config
+            _config.CACHE_DIR = cand
+            return cand
+    return None
+
+
+NUMBA_CACHE_FALLBACK = _configure_cache_dir()
+
+from numba import njit, prange, types  # noqa: E402  (after the cache directory is settled)
+from numba.core import config as _nb_config  # noqa: E402
+from numba.extending import intrinsic, overload  # noqa: E402
+
+_JIT = not _nb_config.DISABLE_JIT
+_FAST = True  # fastmath: reassociation + FMA contraction; nothing here produces inf or NaN (no -inf sentinels)
+_EXP_FLAGS = {"nnan", "ninf", "nsz", "contract"}  # no reassoc: it would undo the Cody-Waite split
+
+# --------------------------------------------------------------------------------------------------------------
+# scalar helpers: element load (float16 bits -> float32), exact 2**n, polynomial exp
+# Each has a plain-Python body used under NUMBA_DISABLE_JIT and a typed implementation for the JIT.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _ld(x):
+    """Storage element -> compute value (float16 bits are widened exactly; floats pass through)."""
+    if isinstance(x, np.uint16):
+        return np.float32(x.view(np.float16))
+    return x
+
+
+def _pow2(n):
+    """2.0**n as float32 for an integral float32 n in [-126, 127]."""
+    return np.float32(np.ldexp(np.float32(1.0), int(n)))
+
+
+if _JIT:
+    from llvmlite import ir as _ir
+
+    @intrinsic
+    def _h2f(typingctx, x):
+        if x != types.uint16:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], _ir.HalfType()), _ir.FloatType())
+
+        return types.float32(types.uint16), codegen
+
+    @intrinsic
+    def _pow2_intrinsic(typingctx, n):
+        if n != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            i32 = _ir.IntType(32)
+            e = builder.add(builder.fptosi(args[0], i32), _ir.Constant(i32, 127))
+            return builder.bitcast(builder.shl(e, _ir.Constant(i32, 23)), _ir.FloatType())
+
+        return types.float32(types.float32), codegen
+
+    @overload(_ld)
+    def _ld_ov(x):
+        if x == types.uint16:
+            return lambda x: _h2f(x)
+        if isinstance(x, types.Float):
+            return lambda x: x
+        return None
+
+    @overload(_pow2)
+    def _pow2_ov(n):
+        if n == types.float32:
+            return lambda n: _pow2_intrinsic(n)
+        return None
+
+
+_LOG2E_F = np.float32(1.44269504088896341)
+_LN2_HI_F = np.float32(0.693359375)
+_LN2_LO_F = np.float32(-2.12194440e-4)
+_EXP_MIN_F = np.float32(-87.0)
+_HALF_F = np.float32(0.5)
+_ONE_F = np.float32(1.0)
+_C0_F = np.float32(1.9875691500e-4)
+_C1_F = np.float32(1.3981999507e-3)
+_C2_F = np.float32(8.3334519073e-3)
+_C3_F = np.float32(4.1665795894e-2)
+_C4_F = np.float32(1.6666665459e-1)
+_C5_F = np.float32(5.0000001201e-1)
+
+
+def _expf_body(x):
+    """exp(x) for float32 x <= 0 (Cephes expf: Cody-Waite reduction + degree-6 polynomial, ~1e-7 relative).
+    Arguments below -87 are clamped (result ~1e-38: negligible next to the running maximum's weight 1)."""
+    x = max(x, _EXP_MIN_F)
+    n = np.floor(x * _LOG2E_F + _HALF_F)
+    r = x - n * _LN2_HI_F
+    r = r - n * _LN2_LO_F
+    p = _C0_F * r + _C1_F
+    p = p * r + _C2_F
+    p = p * r + _C3_F
+    p = p * r + _C4_F
+    p = p * r + _C5_F
+    y = p * (r * r) + r + _ONE_F
+    return y * _pow2(n)
+
+
+def _exp(x):
+    """exp of a non-positive score difference: polynomial in float32, libm exp in float64."""
+    if isinstance(x, np.float32):
+        return _expf_body(x)
+    return math.exp(x)
+
+
+if _JIT:
+    _expf_jit = njit(cache=True, fastmath=_EXP_FLAGS)(_expf_body)
+
+    @overload(_exp)
+    def _exp_ov(x):
+        if x == types.float32:
+            return lambda x: _expf_jit(x)
+        if x == types.float64:
+            return lambda x: math.exp(x)
+        return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# micro-kernels. Rows are taken as 1-D views and inner loops run over range(n) so that LLVM sees non-negative
+# indices (no wraparound select) and vectorises them.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, fastmath=_FAST)
+def _qk(qs, kp, s0, s1, S, c0):
+    """S[g, c0 + t - s0] = qs[g] . kp[t] for t in [s0, s1).  qs: [G, D] compute dtype, kp: [page_size, D] storage.
+    Register blocks: 4 query heads x 2 keys, then 1 x 4; each key row is loaded once per block."""
+    G = qs.shape[0]
+    D = qs.shape[1]
+    z = qs[0, 0] - qs[0, 0]
+    g = 0
+    while g + 4 <= G:
+        q0 = qs[g]
+        q1 = qs[g + 1]
+        q2 = qs[g + 2]
+        q3 = qs[g + 3]
+        S0 = S[g]
+        S1 = S[g + 1]
+        S2 = S[g + 2]
+        S3 = S[g + 3]
+        t = s0
+        c = c0
+        while t + 2 <= s1:
+            k0 = kp[t]
+            k1 = kp[t + 1]
+            a00 = z
+            a01 = z
+            a10 = z
+            a11 = z
+            a20 = z
+            a21 = z
+            a30 = z
+            a31 = z
+            for d in range(D):
+                y0 = _ld(k0[d])
+                y1 = _ld(k1[d])
+                a00 += q0[d] * y0
+                a01 += q0[d] * y1
+                a10 += q1[d] * y0
+                a11 += q1[d] * y1
+                a20 += q2[d] * y0
+                a21 += q2[d] * y1
+                a30 += q3[d] * y0
+                a31 += q3[d] * y1
+            S0[c] = a00
+            S0[c + 1] = a01
+            S1[c] = a10
+            S1[c + 1] = a11
+            S2[c] = a20
+            S2[c + 1] = a21
+            S3[c] = a30
+            S3[c + 1] = a31
+            t += 2
+            c += 2
+        if t < s1:
+            k0 = kp[t]
+            a00 = z
+            a10 = z
+            a20 = z
+            a30 = z
+            for d in range(D):
+                y0 = _ld(k0[d])
+                a00 += q0[d] * y0
+                a10 += q1[d] * y0
+                a20 += q2[d] * y0
+                a30 += q3[d] * y0
+            S0[c] = a00
+            S1[c] = a10
+            S2[c] = a20
+            S3[c] = a30
+        g += 4
+    while g < G:
+        q0 = qs[g]
+        S0 = S[g]
+        t = s0
+        c = c0
+        while t + 4 <= s1:
+            k0 = kp[t]
+            k1 = kp[t + 1]
+            k2 = kp[t + 2]
+            k3 = kp[t + 3]
+            a00 = z
+            a01 = z
+            a02 = z
+            a03 = z
+            for d in range(D):
+                x = q0[d]
+                a00 += x * _ld(k0[d])
+                a01 += x * _ld(k1[d])
+                a02 += x * _ld(k2[d])
+                a03 += x * _ld(k3[d])
+            S0[c] = a00
+            S0[c + 1] = a01
+            S0[c + 2] = a02
+            S0[c + 3] = a03
+            t += 4
+            c += 4
+        while t < s1:
+            k0 = kp[t]
+            a00 = z
+            for d in range(D):
+                a00 += q0[d] * _ld(k0[d])
+            S0[c] = a00
+            t += 1
+            c += 1
+        g += 1
+
+
+@njit(cache=True, fastmath=_FAST)
+def _pv(S, c0, vp, s0, s1, acc):
+    """acc[g, :] += sum_t S[g, c0 + t - s0] * vp[t, :] for t in [s0, s1).  Blocks of 8 (then 4, then 1) value rows
+    are loaded once and applied to every query head of the group while they sit in L1."""
+    G = acc.shape[0]
+    Dv = acc.shape[1]
+    t = s0
+    c = c0
+    while t + 8 <= s1:
+        v0 = vp[t]
+        v1 = vp[t + 1]
+        v2 = vp[t + 2]
+        v3 = vp[t + 3]
+        v4 = vp[t + 4]
+        v5 = vp[t + 5]
+        v6 = vp[t + 6]
+        v7 = vp[t + 7]
+        for g in range(G):
+            ag = acc[g]
+            w = S[g]
+            w0 = w[c]
+            w1 = w[c + 1]
+            w2 = w[c + 2]
+            w3 = w[c + 3]
+            w4 = w[c + 4]
+            w5 = w[c + 5]
+            w6 = w[c + 6]
+            w7 = w[c + 7]
+            for d in range(Dv):
+                ag[d] += ((w0 * _ld(v0[d]) + w1 * _ld(v1[d])) + (w2 * _ld(v2[d]) + w3 * _ld(v3[d]))) + \
+                         ((w4 * _ld(v4[d]) + w5 * _ld(v5[d])) + (w6 * _ld(v6[d]) + w7 * _ld(v7[d])))
+        t += 8
+        c += 8
+    if t + 4 <= s1:
+        v0 = vp[t]
+        v1 = vp[t + 1]
+        v2 = vp[t + 2]
+        v3 = vp[t + 3]
+        for g in range(G):
+            ag = acc[g]
+            w = S[g]
+            w0 = w[c]
+            w1 = w[c + 1]
+            w2 = w[c + 2]
+            w3 = w[c + 3]
+            for d in range(Dv):
+                ag[d] += (w0 * _ld(v0[d]) + w1 * _ld(v1[d])) + (w2 * _ld(v2[d]) + w3 * _ld(v3[d]))
+        t += 4
+        c += 4
+    while t < s1:
+        v0 = vp[t]
+        for g in range(G):
+            ag = acc[g]
+            w0 = S[g, c]
+            for d in range(Dv):
+                ag[d] += w0 * _ld(v0[d])
+        t += 1
+        c += 1
+
+
+@njit(cache=True, fastmath=_FAST)
+def _widen(src, s0, s1, dst):
+    """dst[t, :] = float(src[t, :]) for t in [s0, s1) (float16 bits -> float32 once per tile for large groups)."""
+    n = src.shape[1]
+    for t in range(s0, s1):
+        a = src[t]
+        b = dst[t]
+        for d in range(n):
+            b[d] = _ld(a[d])
+
+
+@njit(cache=True, fastmath=_FAST)
+def _softmax_block(S, nb, m, l, acc, first):
+    """Online-softmax update with the block's scores S[:, :nb]: new running max, rescale (once per block, only
+    when the max grew), S <- exp(S - max), running sum += sum(S)."""
+    G = S.shape[0]
+    Dv = acc.shape[1]
+    for g in range(G):
+        Sg = S[g]
+        mb = Sg[0]
+        for c in range(1, nb):
+            mb = max(mb, Sg[c])
+        ag = acc[g]
+        z = mb - mb
+        if first:
+            mg = mb
+            lg = z
+            for d in range(Dv):
+                ag[d] = z
+        else:
+            mg = m[g]
+            lg = l[g]
+            if mb > mg:
+                alpha = _exp(mg - mb)
+                for d in range(Dv):
+                    ag[d] *= alpha
+                lg *= alpha
+                mg = mb
+        s = z
+        for c in range(nb):
+            p = _exp(Sg[c] - mg)
+            Sg[c] = p
+            s += p
+        m[g] = mg
+        l[g] = lg + s
+
+
+@njit(cache=True, fastmath=_FAST)
+def _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc, kt, vt, widen):
+    """Unnormalised attention of the query-head group qs ([G, D], already scaled) over the keys at absolute
+    positions [lo, hi) of one sequence (`pages`: its row of the page table), kv head h.
+    Leaves the running max m[G], running sum l[G] and the unnormalised output acc[G, Dv].
+    Keys are taken `block` at a time (block is a multiple of page_size, blocks aligned to absolute positions)."""
+    P = k_pages.shape[2]
+    first = True
+    b0 = lo
+    while b0 < hi:
+        b1 = min(hi, (b0 // block + 1) * block)
+        c = 0
+        t = b0
+        while t < b1:
+            j = t // P
+            s0 = t - j * P
+            s1 = min(P, b1 - j * P)
+            kp = k_pages[pages[j], h]
+            if widen:
+                _widen(kp, s0, s1, kt)
+                _qk(qs, kt, s0, s1, S, c)
+            else:
+                _qk(qs, kp, s0, s1, S, c)
+            c += s1 - s0
+            t += s1 - s0
+        _softmax_block(S, c, m, l, acc, first)
+        first = False
+        c = 0
+        t = b0
+        while t < b1:
+            j = t // P
+            s0 = t - j * P
+            s1 = min(P, b1 - j * P)
+            vp = v_pages[pages[j], h]
+            if widen:
+                _widen(vp, s0, s1, vt)
+                _pv(S, c, vt, s0, s1, acc)
+            else:
+                _pv(S, c, vp, s0, s1, acc)
+            c += s1 - s0
+            t += s1 - s0
+        b0 = b1
+
+
+@njit(cache=True, fastmath=_FAST)
+def _load_group(q, i, h, scale, qs):
+    """qs[g, :] = q[i, h*G + g, :] * scale (one rounding)."""
+    G = qs.shape[0]
+    D = qs.shape[1]
+    for g in range(G):
+        src = q[i, h * G + g]
+        dst = qs[g]
+        for d in range(D):
+            dst[d] = src[d] * scale
+
+
+@njit(cache=True, fastmath=_FAST)
+def _normalise(acc, l, dst):
+    """dst[g, :] = acc[g, :] / l[g]  (l >= 1: the maximum contributes exp(0))."""
+    G = acc.shape[0]
+    Dv = acc.shape[1]
+    for g in range(G):
+        inv = 1.0 / l[g]
+        ag = acc[g]
+        og = dst[g]
+        for d in range(Dv):
+            og[d] = ag[d] * inv
+
+
+@njit(cache=True, fastmath=_FAST)
+def _combine(wm, wl, wacc, w0, n, dst):
+    """Merge n partial results (max, sum, unnormalised output) stored at w0..w0+n-1 into dst[G, Dv]."""
+    G = dst.shape[0]
+    Dv = dst.shape[1]
+    for g in range(G):
+        mx = wm[w0, g]
+        for s in range(1, n):
+            mx = max(mx, wm[w0 + s, g])
+        og = dst[g]
+        tot = 0.0
+        for d in range(Dv):
+            og[d] = 0.0
+        for s in range(n):
+            f = math.exp(wm[w0 + s, g] - mx)  # float64: the merge is cheap, keep it exact
+            tot += f * wl[w0 + s, g]
+            src = wacc[w0 + s, g]
+            for d in range(Dv):
+                og[d] += f * src[d]
+        inv = 1.0 / tot
+        for d in range(Dv):
+            og[d] *= inv
+
+
+@njit(cache=True, fastmath=_FAST)
+def decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window, scale, out,
+               units, u0, u1, block, widen, wm, wl, wacc):
+    """Process work units u0..u1-1 with one set of scratch buffers (the serial kernel, and the body of each
+    parallel chunk). block: keys per online-softmax block (whole pages, ~64 tokens); widen: float16 (uint16) tiles are
+    widened once into float32 scratch (large groups) instead of converting inside the loads.
+
+    units.shape[0] == 0 (serial): unit u is query u // num_kv_heads, kv head u % num_kv_heads, its whole range.
+    Otherwise unit u is the row units[u] = (query, kv head, lo, hi, slot): keys [lo, hi); slot < 0: the unit
+    covers the whole range, normalise into out; else store the partial (max, sum, acc) at workspace slot."""
+    Hkv = k_pages.shape[1]
+    G = q.shape[1] // Hkv
+    D = q.shape[2]
+    P = k_pages.shape[2]
+    Dv = v_pages.shape[3]
+    qs = np.empty((G, D), q.dtype)
+    S = np.empty((G, block), q.dtype)
+    m = np.empty(G, q.dtype)
+    l = np.empty(G, q.dtype)
+    acc = np.empty((G, Dv), q.dtype)
+    nt = P if widen else 0
+    kt = np.empty((nt, D), q.dtype)
+    vt = np.empty((nt, Dv), q.dtype)
+    serial = units.shape[0] == 0
+    for u in range(u0, u1):
+        if serial:
+            i = u // Hkv
+            h = u - i * Hkv
+            hi = query_pos[i] + 1
+            lo = max(0, hi - window) if window > 0 else 0
+            w = -1
+        else:
+            i = units[u, 0]
+            h = units[u, 1]
+            lo = units[u, 2]
+            hi = units[u, 3]
+            w = units[u, 4]
+        s = query_seq[i]
+        pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
+        _load_group(q, i, h, scale, qs)
+        if w < 0:
+            _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc, kt, vt, widen)
+            _normalise(acc, l, out[i, h * G:(h + 1) * G])
+        else:
+            _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, wm[w], wl[w], wacc[w], kt, vt, widen)
+
+
+@njit(cache=True, fastmath=_FAST)
+def _combine_items(out, G, items, a, b, wm, wl, wacc):
+    for it in range(a, b):
+        h = items[it, 1]
+        _combine(wm, wl, wacc, items[it, 2], items[it, 3], out[items[it, 0], h * G:(h + 1) * G])
+
+
+@njit(cache=True)
+def plan_units(query_pos, window, num_kv_heads, split, nchunks):
+    """Cut every (query, kv head) key range at absolute multiples of `split` tokens into units and balance the
+    units over `nchunks` contiguous chunks by cost (tokens + 16 per unit).
+
+    Returns units [U, 5] = (query, kv head, lo, hi, workspace slot or -1 when the range is not split),
+    bounds [nchunks + 1] (chunk c = units bounds[c]..bounds[c+1]-1), items [n_split, 4] = (query, kv head,
+    first slot, number of slots) of the split ranges, and the number of workspace slots."""
+    nq = query_pos.shape[0]
+    C = split
+    U = 0
+    n_items = 0
+    W = 0
+    for i in range(nq):
+        hi = query_pos[i] + 1
+        lo = max(0, hi - window) if window > 0 else 0
+        n = (hi - 1) // C - lo // C + 1
+        U += n * num_kv_heads
+        if n > 1:
+            n_items += num_kv_heads
+            W += n * num_kv_heads
+    units = np.empty((U, 5), np.int64)
+    items = np.empty((n_items, 4), np.int64)
+    u = 0
+    w = 0
+    it = 0
+    total = 0
+    for i in range(nq):
+        hi = query_pos[i] + 1
+        lo = max(0, hi - window) if window > 0 else 0
+        n = (hi - 1) // C - lo // C + 1
+        for h in range(num_kv_heads):
+            if n > 1:
+                items[it, 0] = i
+                items[it, 1] = h
+                items[it, 2] = w
+                items[it, 3] = n
+                it += 1
+            for j in range(n):
+                a = max(lo, (lo // C + j) * C)
+                b = min(hi, (lo // C + j + 1) * C)
+                units[u, 0] = i
+                units[u, 1] = h
+                units[u, 2] = a
+                units[u, 3] = b
+                if n > 1:
+                    units[u, 4] = w
+                    w += 1
+                else:
+                    units[u, 4] = -1
+                total += b - a + 16
+                u += 1
+    nch = max(1, nchunks)
+    bounds = np.empty(nch + 1, np.int64)
+    bounds[0] = 0
+    cum = 0
+    c = 1
+    for u in range(U):
+        cost = units[u, 3] - units[u, 2] + 16
+        mid2 = 2 * cum + cost  # twice the unit's cost midpoint: unit u goes to chunk floor(mid * nch / total)
+        while c < nch and mid2 * nch > 2 * c * total:
+            bounds[c] = u
+            c += 1
+        cum += cost
+    while c <= nch:
+        bounds[c] = U
+        c += 1
+    return units, bounds, items, W
+
+
+@njit(parallel=True, cache=True, fastmath=_FAST)
+def decode_parallel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out,
+                    units, bounds, items, num_slots, block, widen):
+    """The units of `plan_units` on all threads: one prange iteration per chunk of units (each owns its units'
+    outputs and workspace slots), then the split ranges are merged (prange over items when there are enough)."""
+    Hkv = k_pages.shape[1]
+    G = q.shape[1] // Hkv
+    Dv = v_pages.shape[3]
+    wm = np.empty((num_slots, G), q.dtype)
+    wl = np.empty((num_slots, G), q.dtype)
+    wacc = np.empty((num_slots, G, Dv), q.dtype)
+    nch = bounds.shape[0] - 1
+    for ck in prange(nch):
+        decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window, scale, out,
+                   units, bounds[ck], bounds[ck + 1], block, widen, wm, wl, wacc)
+    n = items.shape[0]
+    if n >= nch and num_slots * G * Dv >= 1 << 16:
+        for ck in prange(nch):
+            _combine_items(out, G, items, ck * n // nch, (ck + 1) * n // nch, wm, wl, wacc)
+    else:
+        _combine_items(out, G, items, 0, n, wm, wl, wacc)
+    return out

@@ -1,0 +1,244 @@
+"""Paged single-query ("decode") attention: the validating wrapper around `decode._kernels.paged_decode`.
+
+    out = paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
+                                 scale=None, window=0, out=None)
+
+Shapes (named dimensions):
+    q:            [num_queries, num_q_heads, head_dim]              float32 or float64
+    k_pages:      [num_pages, num_kv_heads, page_size, head_dim]    float16 / float32 / float64, C-contiguous
+    v_pages:      [num_pages, num_kv_heads, page_size, head_dim_v]  same dtype as k_pages, C-contiguous
+    page_indices: int [total_pages]     sequence s's logical page j is physical page
+                                        page_indices[page_indptr[s] + j]; -1 = freed (outside the window)
+    page_indptr:  int [num_seqs + 1]    CSR row pointers into page_indices
+    query_seq:    int [num_queries]     the sequence (CSR row) of each query
+    query_pos:    int [num_queries]     absolute position p of each query: it reads keys at positions lo..p,
+                                        lo = 0 (window == 0) or max(0, p - window + 1)
+    returns       [num_queries, num_q_heads, head_dim_v]            float32 (float64 for float64 storage)
+
+Query head h uses kv head h // (num_q_heads // num_kv_heads) (GQA / MQA). Scores and accumulation are float32
+for float16/float32 storage (q is cast to float32) and float64 for float64 storage.
+"""
+import math
+
+import numpy as np
+import numba
+
+from . import _kernels
+
+# Dispatch thresholds (measured, see docs/kernel.md)
+SERIAL_WORK = 1 << 20        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
+MIN_SPLIT_TOKENS = 256       # flash-decoding splits are never shorter than this (then rounded to whole blocks)
+WIDEN_MIN_GROUP = 4          # float16 tiles are widened once per tile when a kv head serves >= this many q heads
+
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_Q_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_I32 = np.dtype(np.int32)
+_I64 = np.dtype(np.int64)
+
+
+def _array(name, x, ndim, kinds, what):
+    if not isinstance(x, np.ndarray):
+        if x is None or isinstance(x, (str, bytes, dict, set)):
+            raise TypeError(f"{name}: expected {what}, got {type(x).__name__}")
+        x = np.asarray(x)
+    if x.dtype.kind not in kinds:
+        raise TypeError(f"{name}: expected {what}, got dtype {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d array, got shape {x.shape}")
+    return x
+
+
+def _index_array(name, x, dtype):
+    x = _array(name, x, 1, "iu", "an integer array")
+    if x.dtype != dtype:
+        if x.size and (x.min() < np.iinfo(dtype).min or x.max() > np.iinfo(dtype).max):
+            raise ValueError(f"{name}: expected values that fit {dtype}, got range [{x.min()}, {x.max()}]")
+        x = x.astype(dtype)
+    return x
+
+
+def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, *,
+                           scale=None, window=0, out=None) -> np.ndarray:
+    """Attention of each query over its sequence's keys ``lo..p`` read through the page table.
+
+    Every input is checked before anything is computed; errors are ``TypeError`` (wrong kinds: int / bool /
+    complex / object data) or ``ValueError`` (shapes, values), with messages ``"name: expected ..., got ..."``.
+    See the module docstring for the shapes."""
+    # ---- storage
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name}: expected a numpy array, got {type(x).__name__}")
+        if x.dtype not in _FLOATS:
+            raise TypeError(f"{name}: expected float16, float32 or float64, got dtype {x.dtype}")
+        if x.ndim != 4:
+            raise ValueError(f"{name}: expected a 4-d array [num_pages, num_kv_heads, page_size, head_dim], "
+                             f"got shape {x.shape}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
+    if v_pages.dtype != k_pages.dtype:
+        raise TypeError(f"v_pages: expected dtype {k_pages.dtype} (as k_pages), got {v_pages.dtype}")
+    num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
+    if v_pages.shape[:3] != k_pages.shape[:3]:
+        raise ValueError(f"v_pages: expected shape ({num_pages}, {num_kv_heads}, {page_size}, head_dim_v) "
+                         f"like k_pages, got {v_pages.shape}")
+    head_dim_v = v_pages.shape[3]
+    if num_kv_heads < 1 or page_size < 1 or head_dim < 1 or head_dim_v < 1:
+        raise ValueError(f"k_pages: expected num_kv_heads, page_size, head_dim >= 1, got shape {k_pages.shape}"
+                         f" (v_pages {v_pages.shape})")
+    compute = np.dtype(np.float64) if k_pages.dtype == np.float64 else np.dtype(np.float32)
+
+    # ---- queries
+    q = _array("q", q, 3, "f", "a float32 or float64 array")
+    if q.dtype not in _Q_FLOATS:
+        raise TypeError(f"q: expected float32 or float64, got dtype {q.dtype}")
+    num_queries, num_q_heads, qd = q.shape
+    if qd != head_dim:
+        raise ValueError(f"q: expected head_dim {head_dim} (from k_pages), got shape {q.shape}")
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"q: expected num_q_heads a positive multiple of num_kv_heads={num_kv_heads}, "
+                         f"got {num_q_heads}")
+    if q.size and not np.isfinite(q.sum()):       # one pass; inf/nan propagate (a finite-sum overflow falls through)
+        bad = np.argwhere(~np.isfinite(q))
+        if len(bad):
+            raise ValueError(f"q: expected finite values, got {q[tuple(bad[0])]} at index {tuple(int(i) for i in bad[0])}")
+
+    # ---- scalars
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    else:
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+            raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+        scale = float(scale)
+        if not math.isfinite(scale) or scale <= 0.0:
+            raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+        raise TypeError(f"window: expected an int, got {type(window).__name__}")
+    window = int(window)
+    if window < 0:
+        raise ValueError(f"window: expected an int >= 0 (0 = no window), got {window}")
+
+    # ---- page table
+    page_indices = _index_array("page_indices", page_indices, _I32)
+    page_indptr = _index_array("page_indptr", page_indptr, _I64)
+    if len(page_indptr) < 2:
+        raise ValueError(f"page_indptr: expected num_seqs + 1 >= 2 entries, got {len(page_indptr)}")
+    num_seqs = len(page_indptr) - 1
+    steps = np.diff(page_indptr)
+    if page_indptr[0] < 0 or page_indptr[-1] > len(page_indices) or steps.min() < 0:
+        raise ValueError(f"page_indptr: expected non-decreasing offsets in [0, {len(page_indices)}], "
+                         f"got {page_indptr.tolist() if num_seqs < 20 else page_indptr}")
+    neg = False
+    if len(page_indices):
+        lo_i, hi_i = page_indices.min(), page_indices.max()
+        if lo_i < -1 or hi_i >= num_pages:
+            bad = int(np.flatnonzero((page_indices < -1) | (page_indices >= num_pages))[0])
+            raise ValueError(f"page_indices: expected physical pages in [0, {num_pages}) (or -1 for a freed page), "
+                             f"got {page_indices[bad]} at index {bad}")
+        neg = lo_i < 0
+
+    # ---- queries -> sequences, positions
+    query_seq = _index_array("query_seq", query_seq, _I32)
+    query_pos = _index_array("query_pos", query_pos, _I64)
+    if len(query_seq) != num_queries:
+        raise ValueError(f"query_seq: expected {num_queries} entries (num_queries), got {len(query_seq)}")
+    if len(query_pos) != num_queries:
+        raise ValueError(f"query_pos: expected {num_queries} entries (num_queries), got {len(query_pos)}")
+
+    # ---- out
+    shape = (num_queries, num_q_heads, head_dim_v)
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
+        if out.dtype != compute:
+            raise TypeError(f"out: expected dtype {compute}, got {out.dtype}")
+        if out.shape != shape:
+            raise ValueError(f"out: expected shape {shape}, got {out.shape}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("out: expected a writeable C-contiguous array, got "
+                             f"{'a read-only' if not out.flags.writeable else 'a non-contiguous'} array")
+    else:
+        out = np.empty(shape, dtype=compute)
+    if num_queries == 0:
+        return out
+
+    if query_seq.min() < 0 or query_seq.max() >= num_seqs:
+        bad = int(np.flatnonzero((query_seq < 0) | (query_seq >= num_seqs))[0])
+        raise ValueError(f"query_seq: expected sequence indices in [0, {num_seqs}), got {query_seq[bad]} "
+                         f"at index {bad}")
+    first = page_indptr[query_seq]
+    capacity = (page_indptr[query_seq + 1] - first) * page_size
+    badpos = (query_pos < 0) | (query_pos >= capacity)
+    if badpos.any():
+        bad = int(np.flatnonzero(badpos)[0])
+        raise ValueError(f"query_pos: expected 0 <= position < {int(capacity[bad])} (the page capacity of "
+                         f"sequence {int(query_seq[bad])}), got {int(query_pos[bad])} at index {bad}")
+    if neg:
+        # a visible range lo..p may not touch a freed (-1) page: count negatives per range with a prefix sum
+        lo = np.maximum(query_pos - window + 1, 0) if window else np.zeros_like(query_pos)
+        cneg = np.concatenate(([0], np.cumsum(page_indices < 0)))
+        a = first + lo // page_size
+        b = first + query_pos // page_size + 1
+        touched = cneg[b] - cneg[a] > 0
+        if touched.any():
+            bad = int(np.flatnonzero(touched)[0])
+            raise ValueError(f"page_indices: expected allocated pages for the visible positions "
+                             f"{int(lo[bad])}..{int(query_pos[bad])} of query {bad} (sequence {int(query_seq[bad])}), "
+                             f"got a freed page (-1)")
+    if q.dtype != compute:
+        q = q.astype(compute)
+    elif not q.flags.c_contiguous:
+        q = np.ascontiguousarray(q)
+    return _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
+                                             scale, window, out)
+
+
+def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
+                                      scale, window, out, *, mode=0, split_tokens=0):
+    """The kernel call with no checks, for callers that validated already (the Decoder).
+
+    Requires: q C-contiguous in the compute dtype (float32 for float16/float32 storage, float64 for float64),
+    page_indices int32, page_indptr int64, query_seq int32, query_pos int64, scale a float > 0, window an int
+    >= 0, out a C-contiguous [num_queries, num_q_heads, head_dim_v] array of the compute dtype; every visible
+    position backed by a valid page. Returns out.
+
+    mode (testing / tuning): 0 = choose, 1 = serial, 2 = parallel. split_tokens > 0 (parallel) forces key-range
+    splits of that many tokens (rounded up to whole blocks of ~64 tokens); 0 = choose."""
+    if k_pages.dtype == np.float16:
+        k_pages = k_pages.view(np.uint16)
+        v_pages = v_pages.view(np.uint16)
+    nq = len(query_pos)
+    if nq == 1:
+        p1 = int(query_pos[0]) + 1
+        work = min(p1, window) if window else p1
+    elif window:
+        work = int(np.minimum(query_pos + 1, window).sum())
+    else:
+        work = int(query_pos.sum()) + nq
+    _, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, head_dim_v = v_pages.shape
+    G = num_q_heads // num_kv_heads
+    block = page_size * max(1, 64 // page_size)
+    widen = k_pages.itemsize == 2 and G >= WIDEN_MIN_GROUP
+    if mode == 1 or (mode == 0 and work * num_q_heads * (head_dim + head_dim_v) < SERIAL_WORK):
+        ws, wacc = _empty_workspace(q.dtype, G, head_dim_v)
+        _kernels.decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window,
+                              scale, out, _NO_UNITS, 0, nq * num_kv_heads, block, widen, ws, ws, wacc)
+        return out
+    nthreads = numba.get_num_threads()
+    split = split_tokens if split_tokens > 0 else max(MIN_SPLIT_TOKENS, -(-work * num_kv_heads // (4 * nthreads)))
+    split = -(-split // block) * block
+    units, bounds, items, num_slots = _kernels.plan_units(query_pos, window, num_kv_heads, split, nthreads)
+    return _kernels.decode_parallel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
+                                    window, out, units, bounds, items, num_slots, block, widen)
+
+
+_NO_UNITS = np.empty((0, 5), dtype=np.int64)
+_WORKSPACES = {}
+
+
+def _empty_workspace(dtype, group, head_dim_v):
+    key = (dtype, group, head_dim_v)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _WORKSPACES[key] = (np.empty((0, group), dtype), np.empty((0, group, head_dim_v), dtype))
+    return ws
