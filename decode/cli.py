@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=256, help="tokens to generate")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float16", "float32", "float64"], help="KV storage dtype")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens, prefilled in one transaction")
+    p.add_argument("--spec-k", type=int, default=4, help="draft tokens per speculative round")
+    p.add_argument("--draft-bits", type=int, default=6, help="the draft model's weight bits")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_demo)
 
