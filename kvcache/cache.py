@@ -80,6 +80,11 @@ class KVCache:
         return self.allocator.num_free_pages
 
     @property
+    def pool_nbytes(self) -> int:
+        """Bytes of the preallocated K and V page arrays, all layers (virtual size: lazily backed by the OS)."""
+        return self._k.nbytes + self._v.nbytes
+
+    @property
     def sequences(self) -> tuple[int, ...]:
         return tuple(self._sequences)
 

@@ -644,3 +644,10 @@ def test_fingerprint_sees_bytes_and_metadata(rng):
     assert cache2.fingerprint() == fp                     # same operations, same fingerprint
     cache2.create_sequence()
     assert cache2.fingerprint() != fp
+
+
+def test_pool_nbytes():
+    cache = make_cache(num_layers=3, num_kv_heads=2, head_dim=4, head_dim_v=5, page_size=2, num_pages=7,
+                       dtype="float16")
+    assert cache.pool_nbytes == 3 * 7 * 2 * 2 * (4 + 5) * 2 == 7 * cache.config.bytes_per_page
+    assert cache.pool_nbytes == cache.k_pages(0).nbytes * 3 + cache.v_pages(0).nbytes * 3
