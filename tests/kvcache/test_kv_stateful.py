@@ -2,7 +2,7 @@
 free / release_before over a small pool (so exhaustion is frequent), checked after every step against a dense
 model (Python lists of numpy rows cast to the storage dtype), bit for bit.
 
-Size: max_examples=200 programs x stateful_step_count=40 steps (~8,000 rule calls, each followed by the
+Size: max_examples=400 programs x stateful_step_count=50 steps (up to 20,000 rule calls, each followed by the
 invariants); about 20-40 s on 2 cores.
 """
 import numpy as np
@@ -252,12 +252,12 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.check_invariants()
 
 
-CacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
+CacheMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=50, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestCacheMachine = CacheMachine.TestCase
 
 
 def test_zz_report_size():
     """Runs after the machine (file order): prints how many steps were checked."""
-    print(f"\nstateful: {CacheMachine.steps_checked} invariant checks over max_examples=200 x "
-          f"stateful_step_count=40")
+    print(f"\nstateful: {CacheMachine.steps_checked} invariant checks over max_examples=400 x "
+          f"stateful_step_count=50")

@@ -1,0 +1,326 @@
+"""KV memory accounting: the formula, what a `KVCache` allocates and uses, and what the OS really commits.
+
+    formula bytes = layers * batch * tokens * kv_heads * (head_dim + head_dim_v) * bytes_per_element
+                  = 2 * layers * batch * tokens * kv_heads * head_dim * bytes_per_element   (head_dim_v == head_dim)
+
+The whole API (the console ``memory`` command calls these):
+
+- `kv_bytes_formula` -- the formula above (an int).
+- `cache_memory(cache)` -- accounting of one live cache (a dict of ints): formula bytes of the tokens it holds,
+  allocated pool bytes, bytes in used pages, tail-page waste, metadata estimate.
+- `memory_report(...)` -- one row (a JSON-friendly dict) per KV-head count: builds a cache of exactly enough
+  pages for ``batch x tokens`` in a fresh subprocess and measures its resident memory (RSS) with psutil
+  before and after the pages are touched.
+- `format_table(rows)` -- the rows as a plain text table.
+
+Shared pages (forks) are counted once: ``formula_bytes`` of `cache_memory` is over *distinct* stored tokens
+(a token slot of a page shared by several sequences counts once), so ``used = formula + tail waste`` holds
+exactly; ``logical_tokens`` / ``formula_bytes_logical`` give the per-sequence sum a cache without sharing
+would need.
+
+Only numpy, psutil (imported lazily, for measurements only), the standard library and kvcache are used.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import numbers
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from .cache import KVCache
+
+__all__ = ["GIB", "MIB", "kv_bytes_formula", "cache_memory", "memory_report", "format_table", "attention_kind"]
+
+GIB = 1024 ** 3
+MIB = 1024 ** 2
+# memory kept free when a measurement allocates a pool: the measuring process, its copies and the OS
+MARGIN_BYTES = 1 * GIB
+MARGIN_FRACTION = 0.10
+# tokens per append while touching the pool in a measurement: the input arrays are about this many bytes
+FILL_CHUNK_BYTES = 16 * MIB
+
+
+def _int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def kv_bytes_formula(layers: int, batch: int, tokens: int, kv_heads: int, head_dim: int, bytes_per_element: int,
+                     head_dim_v: int | None = None) -> int:
+    """``layers * batch * tokens * kv_heads * (head_dim + head_dim_v) * bytes_per_element`` (``tokens`` may
+    be 0; ``head_dim_v`` defaults to ``head_dim``, giving the familiar ``2 * ...``)."""
+    layers, batch = _int("layers", layers), _int("batch", batch)
+    tokens, kv_heads = _int("tokens", tokens, minimum=0), _int("kv_heads", kv_heads)
+    head_dim = _int("head_dim", head_dim)
+    head_dim_v = head_dim if head_dim_v is None else _int("head_dim_v", head_dim_v)
+    bytes_per_element = _int("bytes_per_element", bytes_per_element)
+    return layers * batch * tokens * kv_heads * (head_dim + head_dim_v) * bytes_per_element
+
+
+def attention_kind(num_q_heads: int, kv_heads: int) -> str:
+    """"MHA" (as many KV heads as query heads), "MQA" (one), otherwise "GQA-<kv_heads>"."""
+    if kv_heads == num_q_heads:
+        return "MHA"
+    return "MQA" if kv_heads == 1 else f"GQA-{kv_heads}"
+
+
+# -- one live cache -----------------------------------------------------------------------------------------
+def cache_memory(cache: KVCache) -> dict:
+    """Accounting of ``cache`` now (all ints, bytes unless named otherwise).
+
+    ``formula_bytes``          formula over the distinct token slots held (shared pages counted once)
+    ``formula_bytes_logical``  formula over the sum of the sequences' held tokens (what no sharing would need)
+    ``allocated_bytes``        the preallocated K/V arrays (``KVCache.pool_nbytes``; virtual, lazily backed)
+    ``used_bytes``             pages taken from the free list (mapped by sequences or reserved by open
+                               transactions) x bytes per page
+    ``tail_waste_bytes``       ``used_bytes - formula_bytes``: slots of used pages that hold no token (mostly
+                               the unfilled end of each sequence's last page; also reserved, uncommitted slots)
+    ``free_bytes``             ``allocated_bytes - used_bytes``
+    ``metadata_bytes``         estimate of the bookkeeping: page tables, ref counts, free list, sequence records
+                               (``sys.getsizeof`` of the containers and ``nbytes`` of the arrays; the int
+                               objects in Python lists are not counted separately)
+    """
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache: expected a KVCache, got {type(cache).__name__}")
+    cfg = cache.config
+    with cache._lock:                                       # one consistent snapshot
+        alloc = cache.allocator
+        sequences = dict(cache._sequences)
+        page_fill: dict[int, int] = {}                      # page -> slots holding a token, over all holders
+        logical_tokens = 0
+        page_tables = 0
+        for s in sequences.values():
+            logical_tokens += s.length - s.first_live_page * cfg.page_size
+            for logical in range(s.first_live_page, cfg.pages_for(s.length)):
+                page = int(s.table[logical])
+                fill = min(cfg.page_size, s.length - logical * cfg.page_size)
+                page_fill[page] = max(page_fill.get(page, 0), fill)
+            page_tables += sys.getsizeof(s) + s.table.nbytes + sys.getsizeof(s.held)
+        pages_free = alloc.num_free_pages
+        ref_counts = sys.getsizeof(alloc._refs)
+        free_list = sys.getsizeof(alloc._free)
+        registry = sys.getsizeof(cache._sequences)
+    pages_used = cfg.num_pages - pages_free
+    distinct_tokens = sum(page_fill.values())
+    formula = distinct_tokens * cfg.bytes_per_token
+    used = pages_used * cfg.bytes_per_page
+    allocated = cache.pool_nbytes
+    return {
+        "num_sequences": len(sequences),
+        "logical_tokens": logical_tokens,
+        "distinct_tokens": distinct_tokens,
+        "bytes_per_token": cfg.bytes_per_token,
+        "num_pages": cfg.num_pages,
+        "pages_used": pages_used,
+        "pages_free": pages_free,
+        "formula_bytes": formula,
+        "formula_bytes_logical": logical_tokens * cfg.bytes_per_token,
+        "allocated_bytes": allocated,
+        "used_bytes": used,
+        "tail_waste_bytes": used - formula,
+        "free_bytes": allocated - used,
+        "metadata_bytes": page_tables + ref_counts + free_list + registry,
+        "metadata_detail": {"page_tables": page_tables, "ref_counts": ref_counts, "free_list": free_list,
+                            "sequence_registry": registry},
+    }
+
+
+# -- the report ----------------------------------------------------------------------------------------------
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc), so RSS shows what is live."""
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _build_and_fill(shape: dict, measure: bool) -> dict:
+    """Build the cache of ``shape``, fill ``batch`` sequences with ``tokens`` tokens each by real appends,
+    and return `cache_memory` (plus RSS readings when ``measure``). Runs in the measuring subprocess."""
+    layers, kv, d, tokens = shape["layers"], shape["kv_heads"], shape["head_dim"], shape["tokens"]
+    dtype, chunk = np.dtype(shape["dtype"]), shape["chunk"]
+    block = np.full((layers, chunk, kv, d), 0.5, dtype=dtype)       # touched now: part of the baseline
+    rss = {}
+    _trim_heap()
+    if measure:
+        rss["base"] = _rss()
+    cache = KVCache(num_layers=layers, num_kv_heads=kv, head_dim=d, dtype=dtype, page_size=shape["page_size"],
+                    num_pages=shape["num_pages"])
+    if measure:
+        rss["untouched"] = _rss()
+    seqs = [cache.create_sequence() for _ in range(shape["batch"])]
+    if tokens:
+        for seq in seqs:                                  # one token per sequence: every layer's first page
+            cache.append(seq, block[:, :1], block[:, :1])
+        if measure:
+            _trim_heap()
+            rss["one_token"] = _rss()
+        for seq in seqs:
+            done = 1
+            while done < tokens:
+                count = min(chunk, tokens - done)
+                cache.append(seq, block[:, :count], block[:, :count])
+                done += count
+    _trim_heap()
+    if measure:
+        rss["touched"] = _rss()                           # ``block`` is still alive: it is in the baseline
+    del block
+    result = {"accounting": cache_memory(cache)}
+    if measure:
+        result["rss"] = {key: value - rss["base"] for key, value in rss.items() if key != "base"}
+    return result
+
+
+def _measure_in_subprocess(shape: dict, timeout: float) -> dict:
+    """Run `_build_and_fill` in a fresh interpreter (isolated RSS) and return its JSON result."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-m", "kvcache.memory", json.dumps(shape)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory measurement of {shape} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_fits(shape: dict, pool_bytes: int) -> None:
+    import psutil
+    available = psutil.virtual_memory().available
+    margin = max(MARGIN_BYTES, int(MARGIN_FRACTION * available))
+    needed = pool_bytes + 2 * FILL_CHUNK_BYTES
+    if needed > available - margin:
+        raise ValueError(
+            f"kv_heads={shape['kv_heads']}: measuring needs {needed / GIB:.2f} GiB resident (the pool is "
+            f"{pool_bytes / GIB:.2f} GiB) but only {available / GIB:.2f} GiB are available and "
+            f"{margin / GIB:.2f} GiB are kept free; use a smaller shape or measure=False for formula-only rows")
+
+
+def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000, head_dim=128, dtype="float16",
+                  batch=1, page_size=16, measure=True, timeout=600.0) -> list[dict]:
+    """One row per entry of ``kv_heads``: the formula, what a `KVCache` sized exactly for ``batch`` sequences
+    of ``tokens`` tokens allocates and uses, and (``measure``) its resident memory measured with psutil in a
+    fresh subprocess: right after allocation (``rss_untouched_bytes``: ~0, numpy's zeros are lazily backed),
+    after one token per sequence (``rss_one_token_bytes``: huge pages), and after every token was appended
+    (``rss_touched_bytes``); ``measured_over_formula = rss_touched_bytes / formula_bytes``.
+
+    Without ``measure`` the accounting comes from a cache of the same page layout with one head of size 1
+    (page tables, ref counts and free list depend only on pages, not on head sizes) and the RSS fields are
+    None. Raises ValueError for a shape that would not fit in available memory (measure=True), or for bad
+    arguments (``kv_heads`` must divide ``num_q_heads``).
+    """
+    layers, num_q_heads = _int("layers", layers), _int("num_q_heads", num_q_heads)
+    tokens, head_dim = _int("tokens", tokens, minimum=0), _int("head_dim", head_dim)
+    batch, page_size = _int("batch", batch), _int("page_size", page_size)
+    kv_list = [kv_heads] if isinstance(kv_heads, numbers.Integral) else list(kv_heads)
+    if not kv_list:
+        raise ValueError("kv_heads: expected at least one KV-head count, got none")
+    kv_list = [_int("kv_heads", kv) for kv in kv_list]
+    for kv in kv_list:
+        if num_q_heads % kv:
+            raise ValueError(f"kv_heads: expected a divisor of num_q_heads={num_q_heads}, got {kv}")
+    from .checks import check_storage_dtype
+    storage = check_storage_dtype("dtype", dtype)
+    pages_per_seq = -(-tokens // page_size)
+    num_pages = max(1, batch * pages_per_seq)
+
+    shapes = []
+    for kv in kv_list:
+        chunk = max(1, min(tokens, FILL_CHUNK_BYTES // (layers * kv * head_dim * storage.itemsize)))
+        shapes.append({"layers": layers, "kv_heads": kv, "head_dim": head_dim, "tokens": tokens, "batch": batch,
+                       "page_size": page_size, "num_pages": num_pages, "dtype": storage.name, "chunk": chunk})
+    if measure:                                          # refuse before measuring anything
+        for shape in shapes:
+            _check_fits(shape, num_pages * page_size * layers * shape["kv_heads"] * 2 * head_dim * storage.itemsize)
+
+    rows = []
+    for shape in shapes:
+        kv = shape["kv_heads"]
+        pool_bytes = num_pages * page_size * layers * kv * 2 * head_dim * storage.itemsize
+        if measure:
+            result = _measure_in_subprocess(shape, timeout)
+        else:                                            # same pages, heads of size 1: accounting only
+            twin = dict(shape, layers=1, kv_heads=1, head_dim=1, chunk=max(shape["chunk"], tokens // 1000))
+            result = _build_and_fill(twin, measure=False)
+        acc = result["accounting"]
+        formula = kv_bytes_formula(layers, batch, tokens, kv, head_dim, storage.itemsize)
+        used = acc["pages_used"] * page_size * layers * kv * 2 * head_dim * storage.itemsize
+        rss = result.get("rss", {})
+        touched = rss.get("touched")
+        rows.append({
+            "attention": attention_kind(num_q_heads, kv),
+            "kv_heads": kv, "num_q_heads": num_q_heads, "layers": layers, "batch": batch, "tokens": tokens,
+            "head_dim": head_dim, "dtype": storage.name, "page_size": page_size, "num_pages": num_pages,
+            "formula_bytes": formula,
+            "formula_gib": formula / GIB,
+            "allocated_bytes": pool_bytes,
+            "used_bytes": used,
+            "tail_waste_bytes": used - formula,
+            "metadata_bytes": acc["metadata_bytes"],
+            "rss_untouched_bytes": rss.get("untouched"),
+            "rss_one_token_bytes": rss.get("one_token"),
+            "rss_touched_bytes": touched,
+            "measured_over_formula": (touched / formula) if (touched is not None and formula) else None,
+            "measured": bool(measure),
+        })
+    return rows
+
+
+# -- text table -----------------------------------------------------------------------------------------------
+def _size(value) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= GIB:
+        return f"{value / GIB:.2f} GiB"
+    if abs(value) >= MIB:
+        return f"{value / MIB:.1f} MiB"
+    if abs(value) >= 1024:
+        return f"{value / 1024:.1f} KiB"
+    return f"{value} B"
+
+
+COLUMNS = [
+    ("kv_heads", lambda r: f"{r['kv_heads']} ({r['attention']})"),
+    ("formula bytes", lambda r: f"{r['formula_bytes']:,}"),
+    ("formula", lambda r: _size(r["formula_bytes"])),
+    ("allocated", lambda r: _size(r["allocated_bytes"])),
+    ("used", lambda r: _size(r["used_bytes"])),
+    ("tail waste", lambda r: _size(r["tail_waste_bytes"])),
+    ("metadata", lambda r: _size(r["metadata_bytes"])),
+    ("RSS untouched", lambda r: _size(r["rss_untouched_bytes"])),
+    ("RSS 1 token", lambda r: _size(r["rss_one_token_bytes"])),
+    ("RSS touched", lambda r: _size(r["rss_touched_bytes"])),
+    ("measured/formula", lambda r: "-" if r["measured_over_formula"] is None else f"{r['measured_over_formula']:.4f}"),
+]
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows of `memory_report` as a plain text table (one line per row, a header and a shape line)."""
+    if not rows:
+        return "(no rows)"
+    cells = [[name for name, _ in COLUMNS]] + [[fmt(row) for _, fmt in COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    r = rows[0]
+    lines.append(f"shape: layers={r['layers']} num_q_heads={r['num_q_heads']} batch={r['batch']} "
+                 f"tokens={r['tokens']} head_dim={r['head_dim']} dtype={r['dtype']} page_size={r['page_size']} "
+                 f"num_pages={r['num_pages']}; RSS columns are increases over the measuring process's baseline")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":                                # the measuring subprocess: one shape in, JSON out
+    print(json.dumps(_build_and_fill(json.loads(sys.argv[1]), measure=True)))

@@ -1,0 +1,204 @@
+"""kvcache.memory: the formula, the accounting identities of a live cache, the report and its table, and one
+small real RSS measurement."""
+import json
+
+import numpy as np
+import pytest
+
+import kvcache
+from kvcache import memory
+from kvcache.memory import GIB, cache_memory, format_table, kv_bytes_formula, memory_report
+
+
+# -- the formula ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_heads, expected, gib", [(32, 5_242_880_000, "4.88"), (8, 1_310_720_000, "1.22"),
+                                                     (1, 163_840_000, "0.15")])
+def test_formula_document_values(kv_heads, expected, gib):
+    value = kv_bytes_formula(layers=32, batch=1, tokens=10_000, kv_heads=kv_heads, head_dim=128, bytes_per_element=2)
+    assert value == expected and f"{value / GIB:.2f}" == gib
+    assert value == 2 * 32 * 1 * 10_000 * kv_heads * 128 * 2
+
+
+def test_formula_head_dim_v_batch_and_zero_tokens():
+    assert kv_bytes_formula(2, 3, 5, 4, 8, 4, head_dim_v=6) == 2 * 3 * 5 * 4 * (8 + 6) * 4
+    assert kv_bytes_formula(2, 3, 0, 4, 8, 4) == 0
+
+
+@pytest.mark.parametrize("name, value, error, message", [
+    ("layers", 0, ValueError, "layers: expected an integer >= 1, got 0"),
+    ("tokens", -1, ValueError, "tokens: expected an integer >= 0, got -1"),
+    ("kv_heads", True, TypeError, "kv_heads: expected an integer, got bool True"),
+    ("head_dim", 2.0, TypeError, "head_dim: expected an integer, got float 2.0"),
+    ("bytes_per_element", 0, ValueError, "bytes_per_element: expected an integer >= 1, got 0"),
+    ("head_dim_v", 0, ValueError, "head_dim_v: expected an integer >= 1, got 0"),
+])
+def test_formula_arguments_checked(name, value, error, message):
+    kwargs = dict(layers=1, batch=1, tokens=1, kv_heads=1, head_dim=1, bytes_per_element=2)
+    kwargs[name] = value
+    with pytest.raises(error, match=f"^{message}$"):
+        kv_bytes_formula(**kwargs)
+
+
+def test_attention_kind():
+    assert [memory.attention_kind(32, kv) for kv in (32, 8, 1)] == ["MHA", "GQA-8", "MQA"]
+
+
+# -- cache_memory ----------------------------------------------------------------------------------------------------
+def small_cache(**kwargs):
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=3, head_dim_v=5, page_size=4, num_pages=6, dtype="float16")
+    args.update(kwargs)
+    return kvcache.KVCache(**args)
+
+
+def append(cache, seq, tokens):
+    cfg = cache.config
+    cache.append(seq, np.ones((cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim)),
+                 np.ones((cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim_v)))
+
+
+def check_identities(acc, cache):
+    cfg = cache.config
+    assert acc["allocated_bytes"] == cache.pool_nbytes == cfg.num_pages * cfg.bytes_per_page
+    assert acc["used_bytes"] == acc["pages_used"] * cfg.bytes_per_page
+    assert acc["used_bytes"] == acc["formula_bytes"] + acc["tail_waste_bytes"]
+    assert acc["allocated_bytes"] == acc["used_bytes"] + acc["free_bytes"]
+    assert acc["pages_used"] + acc["pages_free"] == cfg.num_pages and acc["pages_free"] == cache.num_free_pages
+    assert acc["formula_bytes"] == acc["distinct_tokens"] * cfg.bytes_per_token
+    assert acc["formula_bytes_logical"] == acc["logical_tokens"] * cfg.bytes_per_token
+    assert acc["tail_waste_bytes"] >= 0 and acc["metadata_bytes"] == sum(acc["metadata_detail"].values()) > 0
+    json.dumps(acc)
+
+
+def test_cache_memory_empty_and_filled():
+    cache = small_cache()
+    bpt = 2 * 2 * (3 + 5) * 2
+    acc = cache_memory(cache)
+    check_identities(acc, cache)
+    assert (acc["formula_bytes"], acc["used_bytes"], acc["tail_waste_bytes"]) == (0, 0, 0)
+    a = cache.create_sequence()
+    append(cache, a, 5)                                          # 2 pages, 3 empty slots
+    acc = cache_memory(cache)
+    check_identities(acc, cache)
+    assert acc["formula_bytes"] == 5 * bpt == kv_bytes_formula(2, 1, 5, 2, 3, 2, head_dim_v=5)
+    assert acc["used_bytes"] == 8 * bpt and acc["tail_waste_bytes"] == 3 * bpt
+    assert acc["num_sequences"] == 1 and acc["logical_tokens"] == acc["distinct_tokens"] == 5
+
+
+def test_cache_memory_counts_shared_pages_once():
+    cache = small_cache()
+    bpt = cache.config.bytes_per_token
+    a = cache.create_sequence()
+    append(cache, a, 5)
+    b = cache.fork(a)
+    acc = cache_memory(cache)
+    check_identities(acc, cache)
+    assert acc["logical_tokens"] == 10 and acc["distinct_tokens"] == 5 and acc["pages_used"] == 2
+    append(cache, b, 1)                       # copy-on-write of the tail page: b's copy holds positions 4, 5
+    acc = cache_memory(cache)
+    check_identities(acc, cache)
+    assert acc["distinct_tokens"] == 4 + 1 + 2 and acc["pages_used"] == 3
+    assert acc["tail_waste_bytes"] == (12 - 7) * bpt
+    cache.truncate(b, 2)                      # b keeps only shared page 0, partially: the page still holds 4
+    acc = cache_memory(cache)
+    check_identities(acc, cache)
+    assert acc["distinct_tokens"] == 5 and acc["logical_tokens"] == 7
+
+
+def test_cache_memory_release_and_open_transaction():
+    cache = small_cache()
+    a = cache.create_sequence()
+    append(cache, a, 10)
+    cache.release_before(a, 8)
+    acc = cache_memory(cache)
+    check_identities(acc, cache)
+    assert acc["logical_tokens"] == acc["distinct_tokens"] == 2 and acc["pages_used"] == 1
+    tx = cache.transaction({a: 7})            # reserved pages are used; their slots hold no token yet
+    acc = cache_memory(cache)
+    check_identities(acc, cache)
+    assert acc["pages_used"] == 3 and acc["distinct_tokens"] == 2
+    tx.rollback()
+    cache.free(a)
+    acc = cache_memory(cache)
+    check_identities(acc, cache)
+    assert acc["pages_used"] == 0 and acc["num_sequences"] == 0
+
+
+def test_cache_memory_type_check():
+    with pytest.raises(TypeError, match="^cache: expected a KVCache, got dict$"):
+        cache_memory({})
+
+
+# -- memory_report, format_table -------------------------------------------------------------------------------------
+def test_report_formula_only_default_shape():
+    rows = memory_report(measure=False)
+    assert [r["kv_heads"] for r in rows] == [32, 8, 1]
+    assert [r["attention"] for r in rows] == ["MHA", "GQA-8", "MQA"]
+    assert [r["formula_bytes"] for r in rows] == [5_242_880_000, 1_310_720_000, 163_840_000]
+    for row in rows:
+        assert row["num_pages"] == 625                           # 10,000 tokens / 16 exactly
+        assert row["allocated_bytes"] == row["used_bytes"] == row["formula_bytes"]
+        assert row["tail_waste_bytes"] == 0 and 0 < row["metadata_bytes"] < 1_000_000
+        assert row["rss_touched_bytes"] is None and row["measured_over_formula"] is None
+        assert row["measured"] is False
+    assert json.loads(json.dumps(rows)) == rows
+    table = format_table(rows)
+    for text in ("kv_heads", "formula bytes", "allocated", "used", "tail waste", "metadata", "RSS untouched",
+                 "RSS touched", "measured/formula", "5,242,880,000", "4.88 GiB", "1.22 GiB", "156.2 MiB",
+                 "32 (MHA)", "8 (GQA-8)", "1 (MQA)", "tokens=10000"):
+        assert text in table
+    assert len(table.splitlines()) == 2 + 3 + 1
+
+
+def test_report_tail_waste_and_batch():
+    rows = memory_report(layers=2, num_q_heads=4, kv_heads=(4, 2), tokens=10, head_dim=8, dtype="float32",
+                         batch=3, page_size=4, measure=False)
+    for row in rows:
+        bpt = 2 * row["kv_heads"] * 16 * 4
+        assert row["num_pages"] == 3 * 3
+        assert row["formula_bytes"] == 3 * 10 * bpt
+        assert row["used_bytes"] == row["allocated_bytes"] == 3 * 12 * bpt
+        assert row["tail_waste_bytes"] == 3 * 2 * bpt
+
+
+def test_report_single_int_kv_heads_and_zero_tokens():
+    [row] = memory_report(layers=1, num_q_heads=2, kv_heads=2, tokens=0, head_dim=4, measure=False)
+    assert row["formula_bytes"] == 0 and row["measured_over_formula"] is None
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"kv_heads": (32, 5)}, ValueError, "kv_heads: expected a divisor of num_q_heads=32, got 5"),
+    ({"kv_heads": ()}, ValueError, "kv_heads: expected at least one KV-head count, got none"),
+    ({"kv_heads": (0,)}, ValueError, "kv_heads: expected an integer >= 1, got 0"),
+    ({"tokens": -5}, ValueError, "tokens: expected an integer >= 0, got -5"),
+    ({"layers": 1.5}, TypeError, "layers: expected an integer, got float 1.5"),
+    ({"dtype": "int8"}, TypeError, "dtype: expected one of float16, float32, float64"),
+])
+def test_report_arguments_checked(kwargs, error, message):
+    with pytest.raises(error, match=f"^{message}"):
+        memory_report(measure=False, **kwargs)
+
+
+def test_format_table_empty():
+    assert format_table([]) == "(no rows)"
+
+
+# -- measured --------------------------------------------------------------------------------------------------------
+def test_report_refuses_shapes_that_do_not_fit():
+    pytest.importorskip("psutil")
+    with pytest.raises(ValueError, match=r"^kv_heads=32: measuring needs .* GiB .* available .* measure=False"):
+        memory_report(tokens=1_000_000)                           # a 488 GiB pool
+
+
+def test_small_real_measurement_matches_formula():
+    """About 200 MiB touched: the resident increase is within 2% of the formula (one retry: shared machine)."""
+    pytest.importorskip("psutil")
+    for attempt in range(2):
+        [row] = memory_report(layers=4, num_q_heads=8, kv_heads=(8,), tokens=12_800, head_dim=128,
+                              dtype="float16", page_size=16)
+        assert row["formula_bytes"] == 209_715_200 and row["measured"] is True
+        if abs(row["measured_over_formula"] - 1) <= 0.02:
+            break
+    assert abs(row["measured_over_formula"] - 1) <= 0.02, row
+    assert row["rss_untouched_bytes"] < 0.01 * row["formula_bytes"]          # zeros are lazily backed
+    assert row["rss_one_token_bytes"] < 0.5 * row["formula_bytes"]
+    assert "measured/formula" in format_table([row])
