@@ -73,6 +73,11 @@ def _ld(x):
     return x
 
 
+def _prefetch(row, i):
+    """Hint: the cache line holding row[i] will be read soon (no-op without the JIT)."""
+    return None
+
+
 def _pow2(n):
     """2.0**n as float32 for an integral float32 n in [-126, 127]."""
     return np.float32(np.ldexp(np.float32(1.0), int(n)))
@@ -102,6 +107,28 @@ if _JIT:
             return builder.bitcast(builder.shl(e, _ir.Constant(i32, 23)), _ir.FloatType())
 
         return types.float32(types.float32), codegen
+
+    @intrinsic
+    def _prefetch_intrinsic(typingctx, row, i):
+        if not isinstance(row, types.Array) or not isinstance(i, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            from numba.core import cgutils
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            i8p = _ir.IntType(8).as_pointer()
+            i32 = _ir.IntType(32)
+            fn = cgutils.get_or_insert_function(builder.module, _ir.FunctionType(_ir.VoidType(), [i8p, i32, i32, i32]),
+                                                "llvm.prefetch.p0")
+            ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+            builder.call(fn, [ptr, _ir.Constant(i32, 0), _ir.Constant(i32, 2), _ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.void(row, i), codegen
+
+    @overload(_prefetch)
+    def _prefetch_ov(row, i):
+        return lambda row, i: _prefetch_intrinsic(row, i)
 
     @overload(_ld)
     def _ld_ov(x):
@@ -350,6 +377,16 @@ def _widen(src, s0, s1, dst):
 
 
 @njit(cache=True, fastmath=_FAST)
+def _prefetch_rows(tile, s0, s1):
+    """Prefetch rows [s0, s1) of a page tile, one hint per 64-byte line."""
+    step = max(1, 64 // tile.itemsize)
+    for t in range(s0, s1):
+        row = tile[t]
+        for d in range(0, row.shape[0], step):
+            _prefetch(row, d)
+
+
+@njit(cache=True, fastmath=_FAST)
 def _softmax_block(S, nb, m, l, acc, first):
     """Online-softmax update with the block's scores S[:, :nb]: new running max, rescale (once per block, only
     when the max grew), S <- exp(S - max), running sum += sum(S)."""
@@ -386,16 +423,35 @@ def _softmax_block(S, nb, m, l, acc, first):
 
 
 @njit(cache=True, fastmath=_FAST)
+def _prefetch_span(pool, pages, h, p0, p1):
+    """Prefetch the rows of kv head h holding absolute positions [p0, p1) of the sequence with page row `pages`."""
+    P = pool.shape[2]
+    t = p0
+    while t < p1:
+        j = t // P
+        s0 = t - j * P
+        s1 = min(P, p1 - j * P)
+        _prefetch_rows(pool[pages[j], h], s0, s1)
+        t += s1 - s0
+
+
+@njit(cache=True, fastmath=_FAST)
 def _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc, kt, vt, widen):
     """Unnormalised attention of the query-head group qs ([G, D], already scaled) over the keys at absolute
     positions [lo, hi) of one sequence (`pages`: its row of the page table), kv head h.
     Leaves the running max m[G], running sum l[G] and the unnormalised output acc[G, Dv].
-    Keys are taken `block` at a time (block is a multiple of page_size, blocks aligned to absolute positions)."""
+
+    Keys are taken `block` at a time (block is a multiple of page_size, blocks aligned to absolute positions),
+    each page tile in chunks of 16 rows. Software prefetch runs one phase ahead: while the scores of a chunk are
+    computed its V rows are requested, while a V chunk is applied the K rows at the same offset of the next block
+    are requested (the hardware prefetchers do not follow several rows read in lockstep)."""
     P = k_pages.shape[2]
+    RC = 16
     first = True
     b0 = lo
     while b0 < hi:
         b1 = min(hi, (b0 // block + 1) * block)
+        n1 = min(hi, (b1 // block + 1) * block)
         c = 0
         t = b0
         while t < b1:
@@ -403,11 +459,17 @@ def _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc, kt, vt,
             s0 = t - j * P
             s1 = min(P, b1 - j * P)
             kp = k_pages[pages[j], h]
-            if widen:
-                _widen(kp, s0, s1, kt)
-                _qk(qs, kt, s0, s1, S, c)
-            else:
-                _qk(qs, kp, s0, s1, S, c)
+            vp = v_pages[pages[j], h]
+            r = s0
+            while r < s1:
+                r1 = min(s1, r + RC)
+                _prefetch_rows(vp, r, r1)
+                if widen:
+                    _widen(kp, r, r1, kt)
+                    _qk(qs, kt, r, r1, S, c + r - s0)
+                else:
+                    _qk(qs, kp, r, r1, S, c + r - s0)
+                r = r1
             c += s1 - s0
             t += s1 - s0
         _softmax_block(S, c, m, l, acc, first)
@@ -419,11 +481,17 @@ def _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc, kt, vt,
             s0 = t - j * P
             s1 = min(P, b1 - j * P)
             vp = v_pages[pages[j], h]
-            if widen:
-                _widen(vp, s0, s1, vt)
-                _pv(S, c, vt, s0, s1, acc)
-            else:
-                _pv(S, c, vp, s0, s1, acc)
+            r = s0
+            while r < s1:
+                r1 = min(s1, r + RC)
+                q0 = b1 + c + r - s0
+                _prefetch_span(k_pages, pages, h, q0, min(n1, q0 + r1 - r))
+                if widen:
+                    _widen(vp, r, r1, vt)
+                    _pv(S, c + r - s0, vt, r, r1, acc)
+                else:
+                    _pv(S, c + r - s0, vp, r, r1, acc)
+                r = r1
             c += s1 - s0
             t += s1 - s0
         b0 = b1
