@@ -307,53 +307,93 @@ def _qk(qs, kp, s0, s1, S, c0):
 
 @njit(cache=True, fastmath=_FAST)
 def _pv(S, c0, vp, s0, s1, acc):
-    """acc[g, :] += sum_t S[g, c0 + t - s0] * vp[t, :] for t in [s0, s1).  Blocks of 8 (then 4, then 1) value rows
-    are loaded once and applied to every query head of the group while they sit in L1."""
+    """acc[g, :] += sum_t S[g, c0 + t - s0] * vp[t, :] for t in [s0, s1).
+    Groups of >= 4 query heads: register blocks of 4 heads x 4 value rows (each value vector loaded once for four
+    heads); smaller groups: 8 value rows per head at a time (one accumulator load/store per 8 rows)."""
     G = acc.shape[0]
     Dv = acc.shape[1]
     t = s0
     c = c0
-    while t + 8 <= s1:
-        v0 = vp[t]
-        v1 = vp[t + 1]
-        v2 = vp[t + 2]
-        v3 = vp[t + 3]
-        v4 = vp[t + 4]
-        v5 = vp[t + 5]
-        v6 = vp[t + 6]
-        v7 = vp[t + 7]
-        for g in range(G):
-            ag = acc[g]
-            w = S[g]
-            w0 = w[c]
-            w1 = w[c + 1]
-            w2 = w[c + 2]
-            w3 = w[c + 3]
-            w4 = w[c + 4]
-            w5 = w[c + 5]
-            w6 = w[c + 6]
-            w7 = w[c + 7]
-            for d in range(Dv):
-                ag[d] += ((w0 * _ld(v0[d]) + w1 * _ld(v1[d])) + (w2 * _ld(v2[d]) + w3 * _ld(v3[d]))) + \
-                         ((w4 * _ld(v4[d]) + w5 * _ld(v5[d])) + (w6 * _ld(v6[d]) + w7 * _ld(v7[d])))
-        t += 8
-        c += 8
-    if t + 4 <= s1:
-        v0 = vp[t]
-        v1 = vp[t + 1]
-        v2 = vp[t + 2]
-        v3 = vp[t + 3]
-        for g in range(G):
-            ag = acc[g]
-            w = S[g]
-            w0 = w[c]
-            w1 = w[c + 1]
-            w2 = w[c + 2]
-            w3 = w[c + 3]
-            for d in range(Dv):
-                ag[d] += (w0 * _ld(v0[d]) + w1 * _ld(v1[d])) + (w2 * _ld(v2[d]) + w3 * _ld(v3[d]))
-        t += 4
-        c += 4
+    if G >= 4:
+        while t + 4 <= s1:
+            v0 = vp[t]
+            v1 = vp[t + 1]
+            v2 = vp[t + 2]
+            v3 = vp[t + 3]
+            g = 0
+            while g + 4 <= G:
+                a0 = acc[g]
+                a1 = acc[g + 1]
+                a2 = acc[g + 2]
+                a3 = acc[g + 3]
+                w = S[g]
+                w00 = w[c]
+                w01 = w[c + 1]
+                w02 = w[c + 2]
+                w03 = w[c + 3]
+                w = S[g + 1]
+                w10 = w[c]
+                w11 = w[c + 1]
+                w12 = w[c + 2]
+                w13 = w[c + 3]
+                w = S[g + 2]
+                w20 = w[c]
+                w21 = w[c + 1]
+                w22 = w[c + 2]
+                w23 = w[c + 3]
+                w = S[g + 3]
+                w30 = w[c]
+                w31 = w[c + 1]
+                w32 = w[c + 2]
+                w33 = w[c + 3]
+                for d in range(Dv):
+                    x0 = _ld(v0[d])
+                    x1 = _ld(v1[d])
+                    x2 = _ld(v2[d])
+                    x3 = _ld(v3[d])
+                    a0[d] += (w00 * x0 + w01 * x1) + (w02 * x2 + w03 * x3)
+                    a1[d] += (w10 * x0 + w11 * x1) + (w12 * x2 + w13 * x3)
+                    a2[d] += (w20 * x0 + w21 * x1) + (w22 * x2 + w23 * x3)
+                    a3[d] += (w30 * x0 + w31 * x1) + (w32 * x2 + w33 * x3)
+                g += 4
+            while g < G:
+                ag = acc[g]
+                w = S[g]
+                w00 = w[c]
+                w01 = w[c + 1]
+                w02 = w[c + 2]
+                w03 = w[c + 3]
+                for d in range(Dv):
+                    ag[d] += (w00 * _ld(v0[d]) + w01 * _ld(v1[d])) + (w02 * _ld(v2[d]) + w03 * _ld(v3[d]))
+                g += 1
+            t += 4
+            c += 4
+    else:
+        while t + 8 <= s1:
+            v0 = vp[t]
+            v1 = vp[t + 1]
+            v2 = vp[t + 2]
+            v3 = vp[t + 3]
+            v4 = vp[t + 4]
+            v5 = vp[t + 5]
+            v6 = vp[t + 6]
+            v7 = vp[t + 7]
+            for g in range(G):
+                ag = acc[g]
+                w = S[g]
+                w0 = w[c]
+                w1 = w[c + 1]
+                w2 = w[c + 2]
+                w3 = w[c + 3]
+                w4 = w[c + 4]
+                w5 = w[c + 5]
+                w6 = w[c + 6]
+                w7 = w[c + 7]
+                for d in range(Dv):
+                    ag[d] += ((w0 * _ld(v0[d]) + w1 * _ld(v1[d])) + (w2 * _ld(v2[d]) + w3 * _ld(v3[d]))) + \
+                             ((w4 * _ld(v4[d]) + w5 * _ld(v5[d])) + (w6 * _ld(v6[d]) + w7 * _ld(v7[d])))
+            t += 8
+            c += 8
     while t < s1:
         v0 = vp[t]
         for g in range(G):
