@@ -138,6 +138,28 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def _resident_in(arrays) -> tuple[int, int] | None:
+    """(resident bytes, of which in transparent huge pages) of the memory mappings holding ``arrays``, from
+    /proc/self/smaps (Linux); None elsewhere. Whole mappings are counted: each big array is its own mmap."""
+    spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
+    rss = huge = 0
+    inside = False
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                field = line.split(None, 1)[0]
+                if "-" in field and not field.endswith(":"):               # a mapping's header line
+                    lo, hi = (int(x, 16) for x in field.split("-"))
+                    inside = any(lo < end and hi > start for start, end in spans)
+                elif inside and field == "Rss:":
+                    rss += int(line.split()[1]) * 1024
+                elif inside and field == "AnonHugePages:":
+                    huge += int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return rss, huge
+
+
 def _trim_heap() -> None:
     """Give freed heap memory back to the OS (glibc), so RSS shows what is live."""
     gc.collect()
@@ -182,6 +204,7 @@ def _build_and_fill(shape: dict, measure: bool) -> dict:
     result = {"accounting": cache_memory(cache)}
     if measure:
         result["rss"] = {key: value - rss["base"] for key, value in rss.items() if key != "base"}
+        result["pool_resident"] = _resident_in([cache._k, cache._v])
     return result
 
 
@@ -215,7 +238,10 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
     of ``tokens`` tokens allocates and uses, and (``measure``) its resident memory measured with psutil in a
     fresh subprocess: right after allocation (``rss_untouched_bytes``: ~0, numpy's zeros are lazily backed),
     after one token per sequence (``rss_one_token_bytes``: huge pages), and after every token was appended
-    (``rss_touched_bytes``); ``measured_over_formula = rss_touched_bytes / formula_bytes``.
+    (``rss_touched_bytes``); ``measured_over_formula = rss_touched_bytes / formula_bytes``. On Linux
+    ``pool_resident_bytes`` / ``pool_huge_page_bytes`` are the resident bytes of the pool's own mappings
+    (/proc/self/smaps) and how many of them are transparent huge pages: the RSS increase minus the pool is
+    what the filling process itself kept (heap, Python objects).
 
     Without ``measure`` the accounting comes from a cache of the same page layout with one head of size 1
     (page tables, ref counts and free list depend only on pages, not on head sizes) and the RSS fields are
@@ -260,6 +286,7 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
         used = acc["pages_used"] * page_size * layers * kv * 2 * head_dim * storage.itemsize
         rss = result.get("rss", {})
         touched = rss.get("touched")
+        pool = result.get("pool_resident") or (None, None)
         rows.append({
             "attention": attention_kind(num_q_heads, kv),
             "kv_heads": kv, "num_q_heads": num_q_heads, "layers": layers, "batch": batch, "tokens": tokens,
@@ -273,6 +300,8 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
             "rss_untouched_bytes": rss.get("untouched"),
             "rss_one_token_bytes": rss.get("one_token"),
             "rss_touched_bytes": touched,
+            "pool_resident_bytes": pool[0],
+            "pool_huge_page_bytes": pool[1],
             "measured_over_formula": (touched / formula) if (touched is not None and formula) else None,
             "measured": bool(measure),
         })
@@ -303,6 +332,8 @@ COLUMNS = [
     ("RSS untouched", lambda r: _size(r["rss_untouched_bytes"])),
     ("RSS 1 token", lambda r: _size(r["rss_one_token_bytes"])),
     ("RSS touched", lambda r: _size(r["rss_touched_bytes"])),
+    ("pool resident", lambda r: _size(r["pool_resident_bytes"])),
+    ("in huge pages", lambda r: _size(r["pool_huge_page_bytes"])),
     ("measured/formula", lambda r: "-" if r["measured_over_formula"] is None else f"{r['measured_over_formula']:.4f}"),
 ]
 

@@ -139,11 +139,12 @@ def test_report_formula_only_default_shape():
         assert row["allocated_bytes"] == row["used_bytes"] == row["formula_bytes"]
         assert row["tail_waste_bytes"] == 0 and 0 < row["metadata_bytes"] < 1_000_000
         assert row["rss_touched_bytes"] is None and row["measured_over_formula"] is None
+        assert row["pool_resident_bytes"] is None and row["pool_huge_page_bytes"] is None
         assert row["measured"] is False
     assert json.loads(json.dumps(rows)) == rows
     table = format_table(rows)
     for text in ("kv_heads", "formula bytes", "allocated", "used", "tail waste", "metadata", "RSS untouched",
-                 "RSS touched", "measured/formula", "5,242,880,000", "4.88 GiB", "1.22 GiB", "156.2 MiB",
+                 "RSS 1 token", "RSS touched", "pool resident", "in huge pages", "measured/formula", "5,242,880,000", "4.88 GiB", "1.22 GiB", "156.2 MiB",
                  "32 (MHA)", "8 (GQA-8)", "1 (MQA)", "tokens=10000"):
         assert text in table
     assert len(table.splitlines()) == 2 + 3 + 1
@@ -199,6 +200,9 @@ def test_small_real_measurement_matches_formula():
         if abs(row["measured_over_formula"] - 1) <= 0.02:
             break
     assert abs(row["measured_over_formula"] - 1) <= 0.02, row
+    if row["pool_resident_bytes"] is not None:                             # Linux: the pool's own mappings
+        assert abs(row["pool_resident_bytes"] / row["formula_bytes"] - 1) <= 0.02, row
+        assert 0 <= row["pool_huge_page_bytes"] <= row["pool_resident_bytes"]
     assert row["rss_untouched_bytes"] < 0.01 * row["formula_bytes"]          # zeros are lazily backed
     assert row["rss_one_token_bytes"] < 0.5 * row["formula_bytes"]
     assert "measured/formula" in format_table([row])
