@@ -93,26 +93,10 @@ class Decoder:
         `length`, then return ``[num_q_heads, head_dim_v]``: ``q [num_q_heads, head_dim]`` attending over
         positions ``0 .. length`` (the new token included).
 
-        The lean path: one jitted input check, the slot reservation (`KVCache.begin_token`), the write and
-        one kernel call."""
+        The lean path: one jitted input check, the cache's single-token slot, the write and one kernel call."""
         self._single_layer("step")
-        q, k, v = self._check_token(q, k, v)
-        token = self.cache.begin_token(self.seq)
-        try:
-            token.write(0, k, v)
-            indices = token.pages()
-            self._indptr[1] = len(indices)
-            self._qpos[0] = token.position
-            out = np.empty(self._out_shape1, dtype=self.q_dtype)
-            _paged_decode_attention_unchecked(q[None], self._k_pages[0], self._v_pages[0], indices, self._indptr,
-                                              self._query_seq1, self._qpos, self.scale, self.window, out)
-            token.commit()
-        except BaseException:
-            token.rollback()
-            raise
-        if self.window:
-            self._release_outside_window()
-        return out[0]
+        with DecoderTransaction([self], {self.seq: 1}) as tx:
+            return tx.step(0, q, k, v)
 
     def extend(self, q, k, v) -> np.ndarray:
         """Append T tokens and attend with T queries: ``q [T, num_q_heads, head_dim]``,
@@ -209,83 +193,127 @@ class Decoder:
 
 
 class DecoderTransaction:
-    """Tokens of one or more decoders (one pool) being written layer by layer; see `Decoder.transaction`."""
+    """Tokens of one or more decoders (one pool) being written layer by layer; see `Decoder.transaction`.
+
+    One token of one decoder goes through the cache's lean single-token path (`KVCache.begin_token`);
+    anything larger through a general `kvcache.Transaction`."""
 
     def __init__(self, decoders: list[Decoder], num_tokens: dict[int, int]):
         self.decoders = decoders
-        self.cache = decoders[0].cache
+        self.cache = cache = decoders[0].cache
         self.num_tokens = num_tokens
-        self._tx = self.cache.transaction(num_tokens)
-        self.start = [self._tx.start[d.seq] for d in decoders]
+        self._single_token = len(decoders) == 1 and num_tokens[decoders[0].seq] == 1
+        if self._single_token:
+            self._tx = cache.begin_token(decoders[0].seq)
+            self.start = [self._tx.position]
+        else:
+            self._tx = cache.transaction(num_tokens)
+            self.start = [self._tx.start[d.seq] for d in decoders]
+        self._open = True
 
     def __enter__(self) -> "DecoderTransaction":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._tx.__exit__(exc_type, exc, tb)
         if exc_type is None:
-            for d in self.decoders:
-                d._release_outside_window()
+            self.commit()
+        else:
+            self.rollback()
 
     def commit(self) -> None:
-        self.__exit__(None, None, None)
+        """Publish the tokens (every layer must have been written); a no-op once committed."""
+        if self._open:
+            self._open = False
+            self._tx.commit()
+            if self.decoders[0].window:
+                for d in self.decoders:
+                    d._release_outside_window()
 
     def rollback(self) -> None:
+        self._open = False
         self._tx.rollback()
 
+    # -- per layer --------------------------------------------------------------------------------------------
     def append(self, layer: int, k, v) -> None:
         """Write one layer's K/V of the (single) decoder: ``k [T, num_kv_heads, head_dim]``."""
-        self._tx.write(layer, self.decoders[0].seq, k, v)
+        self._guard(lambda: self._write(layer, 0, *self.cache.check_kv(k, v, self.num_tokens[self.decoders[0].seq],
+                                                                        layered=False)))
 
     def extend(self, layer: int, q, k, v) -> np.ndarray:
-        """Write one layer's K/V of the (single) decoder and attend with its T queries -> ``[T, num_q_heads, head_dim_v]``."""
-        dec = self.decoders[0]
-        try:
-            q = dec.check_query(q, self.num_tokens[dec.seq])
-        except BaseException:
-            self._tx.rollback()
-            raise
-        self._tx.write(layer, dec.seq, k, v)
-        positions = np.arange(self.start[0], self.start[0] + len(q), dtype=np.int64)
-        return self._attend(layer, q, np.zeros(len(q), dtype=np.int32), positions)
+        """Write one layer's K/V of the (single) decoder and attend with its T queries:
+        ``q [T, num_q_heads, head_dim]`` -> ``[T, num_q_heads, head_dim_v]``; query i at position start + i."""
+        dec, count = self.decoders[0], self.num_tokens[self.decoders[0].seq]
+
+        def run():
+            checked_q = dec.check_query(q, count)
+            self._write(layer, 0, *self.cache.check_kv(k, v, count, layered=False))
+            positions = np.arange(self.start[0], self.start[0] + count, dtype=np.int64)
+            return self._attend(layer, checked_q, np.zeros(count, dtype=np.int32), positions)
+        return self._guard(run)
 
     def step(self, layer: int, q, k, v) -> np.ndarray:
         """One token per decoder: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``,
-        ``v [B, num_kv_heads, head_dim_v]`` with B = number of decoders (B axis optional for one decoder)."""
-        single = np.ndim(q) == 2 and len(self.decoders) == 1
-        if single:
-            q, k, v = np.asarray(q)[None], np.asarray(k)[None], np.asarray(v)[None]
-        out = self._step_batch(layer, q, k, v)
-        return out[0] if single else out
+        ``v [B, num_kv_heads, head_dim_v]`` with B = number of decoders (the B axis may be dropped for one
+        decoder) -> ``[B, num_q_heads, head_dim_v]``."""
+        if len(self.decoders) == 1 and np.ndim(q) == 2:
+            return self._guard(lambda: self._step_one(layer, q, k, v))
+        return self._guard(lambda: self._step_batch(layer, q, k, v))
+
+    def _step_one(self, layer, q, k, v) -> np.ndarray:
+        dec = self.decoders[0]
+        q, k, v = dec._check_token(q, k, v)
+        self._write(layer, 0, k[None], v[None])
+        indices = self._pages(0)
+        dec._indptr[1] = len(indices)
+        dec._qpos[0] = self.start[0]
+        out = np.empty(dec._out_shape1, dtype=dec.q_dtype)
+        _paged_decode_attention_unchecked(q[None], dec._k_pages[layer], dec._v_pages[layer], indices, dec._indptr,
+                                          dec._query_seq1, dec._qpos, dec.scale, dec.window, out)
+        return out[0]
 
     def _step_batch(self, layer, q, k, v) -> np.ndarray:
         count = len(self.decoders)
-        try:
-            q = self.decoders[0].check_query(q, count)
-            k, v = self.cache.check_kv(k, v, count, layered=False)       # [B, H, D]: one token per sequence
-        except BaseException:
-            self._tx.rollback()
-            raise
-        for i, dec in enumerate(self.decoders):
-            self._tx.write(layer, dec.seq, k[i:i + 1], v[i:i + 1], checked=True)
+        q = self.decoders[0].check_query(q, count)
+        k, v = self.cache.check_kv(k, v, count, layered=False)           # [B, H, D]: one token per sequence
+        for i in range(count):
+            self._write(layer, i, k[i:i + 1], v[i:i + 1])
         return self._attend(layer, q, np.arange(count, dtype=np.int32), np.array(self.start, dtype=np.int64))
 
+    # -- plumbing ---------------------------------------------------------------------------------------------
+    def _guard(self, run):
+        """Run one per-layer call; any failure rolls the whole transaction back before it propagates."""
+        try:
+            if not self._open:
+                raise RuntimeError("transaction: expected an open transaction, got one already finished")
+            return run()
+        except BaseException:
+            if self._open:
+                self.rollback()
+            raise
+
+    def _write(self, layer: int, index: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store checked ``k [T, H, D]``, ``v [T, H, Dv]`` (storage dtype) of decoder ``index`` in ``layer``."""
+        if self._single_token:
+            self._tx.write(layer, k[0], v[0])
+        else:
+            self._tx.write(layer, self.decoders[index].seq, k, v, checked=True)
+
+    def _pages(self, index: int) -> np.ndarray:
+        return self._tx.pages() if self._single_token else self._tx.pages(self.decoders[index].seq)
+
     def _attend(self, layer, q, query_seq, query_pos) -> np.ndarray:
-        dec, cache = self.decoders[0], self.cache
-        tables = [self._tx.pages(d.seq) for d in self.decoders]
+        """One kernel call: ``q [num_queries, num_q_heads, head_dim]`` over the decoders' page tables."""
+        dec = self.decoders[0]
+        tables = [self._pages(i) for i in range(len(self.decoders))]
         if len(tables) == 1:
             indices, indptr = tables[0], np.array([0, len(tables[0])], dtype=np.int64)
         else:
             indices = np.concatenate(tables)
             indptr = np.zeros(len(tables) + 1, dtype=np.int64)
             np.cumsum([len(t) for t in tables], out=indptr[1:])
-        out = np.empty((len(q), dec.num_q_heads, cache.config.head_dim_v), dtype=dec.q_dtype)
-        try:
-            _paged_decode_attention_unchecked(q, cache.k_pages(layer), cache.v_pages(layer), indices, indptr,
-                                              query_seq, query_pos, dec.scale, dec.window, out)
-        except BaseException:
-            self._tx.rollback()
-            raise
+        out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
+        _paged_decode_attention_unchecked(q, dec._k_pages[layer], dec._v_pages[layer], indices, indptr,
+                                          query_seq, query_pos, dec.scale, dec.window, out)
         return out
 
 
@@ -318,4 +346,4 @@ def batch_step(decoders, q, k, v) -> np.ndarray:
     if decoders and isinstance(decoders[0], Decoder):
         decoders[0]._single_layer("batch_step")
     with batch_transaction(decoders) as tx:
-        return tx._step_batch(0, q, k, v)
+        return tx.step(0, q, k, v)
