@@ -406,17 +406,6 @@ def _pv(S, c0, vp, s0, s1, acc):
 
 
 @njit(cache=True, fastmath=_FAST)
-def _widen(src, s0, s1, dst):
-    """dst[t, :] = float(src[t, :]) for t in [s0, s1) (float16 bits -> float32 once per tile for large groups)."""
-    n = src.shape[1]
-    for t in range(s0, s1):
-        a = src[t]
-        b = dst[t]
-        for d in range(n):
-            b[d] = _ld(a[d])
-
-
-@njit(cache=True, fastmath=_FAST)
 def _prefetch_rows(tile, s0, s1):
     """Prefetch rows [s0, s1) of a page tile, one hint per 64-byte line."""
     step = max(1, 64 // tile.itemsize)
@@ -476,7 +465,7 @@ def _prefetch_span(pool, pages, h, p0, p1):
 
 
 @njit(cache=True, fastmath=_FAST)
-def _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc, kt, vt, widen):
+def _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc):
     """Unnormalised attention of the query-head group qs ([G, D], already scaled) over the keys at absolute
     positions [lo, hi) of one sequence (`pages`: its row of the page table), kv head h.
     Leaves the running max m[G], running sum l[G] and the unnormalised output acc[G, Dv].
@@ -504,11 +493,7 @@ def _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc, kt, vt,
             while r < s1:
                 r1 = min(s1, r + RC)
                 _prefetch_rows(vp, r, r1)
-                if widen:
-                    _widen(kp, r, r1, kt)
-                    _qk(qs, kt, r, r1, S, c + r - s0)
-                else:
-                    _qk(qs, kp, r, r1, S, c + r - s0)
+                _qk(qs, kp, r, r1, S, c + r - s0)
                 r = r1
             c += s1 - s0
             t += s1 - s0
@@ -526,11 +511,7 @@ def _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc, kt, vt,
                 r1 = min(s1, r + RC)
                 q0 = b1 + c + r - s0
                 _prefetch_span(k_pages, pages, h, q0, min(n1, q0 + r1 - r))
-                if widen:
-                    _widen(vp, r, r1, vt)
-                    _pv(S, c + r - s0, vt, r, r1, acc)
-                else:
-                    _pv(S, c + r - s0, vp, r, r1, acc)
+                _pv(S, c + r - s0, vp, r, r1, acc)
                 r = r1
             c += s1 - s0
             t += s1 - s0
@@ -588,10 +569,9 @@ def _combine(wm, wl, wacc, w0, n, dst):
 
 @njit(cache=True, fastmath=_FAST)
 def decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window, scale, out,
-               units, u0, u1, block, widen, wm, wl, wacc):
+               units, u0, u1, block, wm, wl, wacc):
     """Process work units u0..u1-1 with one set of scratch buffers (the serial kernel, and the body of each
-    parallel chunk). block: keys per online-softmax block (whole pages, ~64 tokens); widen: float16 (uint16) tiles are
-    widened once into float32 scratch (large groups) instead of converting inside the loads.
+    parallel chunk). block: keys per online-softmax block (whole pages, ~64 tokens).
 
     units.shape[0] == 0 (serial): unit u is query u // num_kv_heads, kv head u % num_kv_heads, its whole range.
     Otherwise unit u is the row units[u] = (query, kv head, lo, hi, slot): keys [lo, hi); slot < 0: the unit
@@ -606,9 +586,6 @@ def decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, quer
     m = np.empty(G, q.dtype)
     l = np.empty(G, q.dtype)
     acc = np.empty((G, Dv), q.dtype)
-    nt = P if widen else 0
-    kt = np.empty((nt, D), q.dtype)
-    vt = np.empty((nt, Dv), q.dtype)
     serial = units.shape[0] == 0
     for u in range(u0, u1):
         if serial:
@@ -627,10 +604,10 @@ def decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, quer
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         _load_group(q, i, h, scale, qs)
         if w < 0:
-            _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc, kt, vt, widen)
+            _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc)
             _normalise(acc, l, out[i, h * G:(h + 1) * G])
         else:
-            _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, wm[w], wl[w], wacc[w], kt, vt, widen)
+            _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, wm[w], wl[w], wacc[w])
 
 
 @njit(cache=True, fastmath=_FAST)
@@ -712,7 +689,7 @@ def plan_units(query_pos, window, num_kv_heads, split, nchunks):
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
 def decode_parallel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out,
-                    units, bounds, items, num_slots, block, widen):
+                    units, bounds, items, num_slots, block):
     """The units of `plan_units` on all threads: one prange iteration per chunk of units (each owns its units'
     outputs and workspace slots), then the split ranges are merged (prange over items when there are enough)."""
     Hkv = k_pages.shape[1]
@@ -724,7 +701,7 @@ def decode_parallel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, q
     nch = bounds.shape[0] - 1
     for ck in prange(nch):
         decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window, scale, out,
-                   units, bounds[ck], bounds[ck + 1], block, widen, wm, wl, wacc)
+                     units, bounds[ck], bounds[ck + 1], block, wm, wl, wacc)
     n = items.shape[0]
     if n >= nch and num_slots * G * Dv >= 1 << 16:
         for ck in prange(nch):

@@ -28,7 +28,6 @@ from . import _kernels
 # Dispatch thresholds (measured, see docs/kernel.md)
 SERIAL_WORK = 1 << 20        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
 MIN_SPLIT_TOKENS = 256       # flash-decoding splits are never shorter than this (then rounded to whole blocks)
-WIDEN_MIN_GROUP = 4          # float16 tiles are widened once per tile when a kv head serves >= this many q heads
 
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _Q_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -218,18 +217,17 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
     _, num_kv_heads, page_size, head_dim_v = v_pages.shape
     G = num_q_heads // num_kv_heads
     block = page_size * max(1, 64 // page_size)
-    widen = k_pages.itemsize == 2 and G >= WIDEN_MIN_GROUP
     if mode == 1 or (mode == 0 and work * num_q_heads * (head_dim + head_dim_v) < SERIAL_WORK):
         ws, wacc = _empty_workspace(q.dtype, G, head_dim_v)
         _kernels.decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window,
-                              scale, out, _NO_UNITS, 0, nq * num_kv_heads, block, widen, ws, ws, wacc)
+                              scale, out, _NO_UNITS, 0, nq * num_kv_heads, block, ws, ws, wacc)
         return out
     nthreads = numba.get_num_threads()
     split = split_tokens if split_tokens > 0 else max(MIN_SPLIT_TOKENS, -(-work * num_kv_heads // (4 * nthreads)))
     split = -(-split // block) * block
     units, bounds, items, num_slots = _kernels.plan_units(query_pos, window, num_kv_heads, split, nthreads)
     return _kernels.decode_parallel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
-                                    window, out, units, bounds, items, num_slots, block, widen)
+                                    window, out, units, bounds, items, num_slots, block)
 
 
 _NO_UNITS = np.empty((0, 5), dtype=np.int64)

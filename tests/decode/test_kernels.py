@@ -465,4 +465,4 @@ def test_checks_before_computing():
 
 
 def test_thresholds_are_sane():
-    assert A.SERIAL_WORK > 0 and A.MIN_SPLIT_TOKENS >= 1 and A.WIDEN_MIN_GROUP >= 1
+    assert A.SERIAL_WORK > 0 and A.MIN_SPLIT_TOKENS >= 1
