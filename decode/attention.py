@@ -26,8 +26,8 @@ import numba
 from . import _kernels
 
 # Dispatch thresholds (measured, see docs/kernel.md)
-SERIAL_WORK = 1 << 20        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
-MIN_SPLIT_TOKENS = 256       # flash-decoding splits are never shorter than this (then rounded to whole blocks)
+SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
+MIN_SPLIT_TOKENS = 64        # flash-decoding splits are never shorter than this (then rounded to whole blocks)
 
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _Q_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))

@@ -464,5 +464,27 @@ def test_checks_before_computing():
     assert (out == 7.0).all()
 
 
+def test_cache_dir_fallback(monkeypatch, tmp_path):
+    """A read-only package directory and no NUMBA_CACHE_DIR: the numba cache goes to a per-user directory
+    (XDG_CACHE_HOME), or to the temp directory when that is not writable either."""
+    from numba.core import config
+    from decode import _kernels as K
+    monkeypatch.setattr(config, "CACHE_DIR", config.CACHE_DIR)
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    real = K._writable_dir
+    monkeypatch.setattr(K, "_writable_dir", lambda path: "__pycache__" not in path and real(path))
+    chosen = K._configure_cache_dir()
+    assert chosen == str(tmp_path / "xdg" / "pagedkv" / "numba")
+    assert config.CACHE_DIR == chosen and K.os.environ["NUMBA_CACHE_DIR"] == chosen
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    monkeypatch.setattr(K, "_writable_dir", lambda path: "__pycache__" not in path and "xdg" not in path
+                        and real(path))
+    chosen = K._configure_cache_dir()
+    assert chosen is not None and "pagedkv-numba" in chosen and config.CACHE_DIR == chosen
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/somewhere")          # an explicit setting always wins
+    assert K._configure_cache_dir() is None
+
+
 def test_thresholds_are_sane():
     assert A.SERIAL_WORK > 0 and A.MIN_SPLIT_TOKENS >= 1
