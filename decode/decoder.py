@@ -16,6 +16,9 @@ from kvcache.checks import as_float_array, cast_to_storage, check_int, check_sha
 from ._validate import first_bad_input, overflow_limit
 from .attention import _paged_decode_attention_unchecked
 
+# input dtypes the jitted check takes (numba types neither float16 nor long double nor byte-swapped arrays)
+_JIT_FLOATS = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
+
 
 class Decoder:
     """Decode one sequence over a paged KV cache.
@@ -168,7 +171,7 @@ class Decoder:
         storage = self.config.dtype
         if not (type(q) is type(k) is type(v) is np.ndarray and q.shape == self._q_shape
                 and k.shape == self._k_shape and v.shape == self._v_shape
-                and q.dtype.kind == k.dtype.kind == v.dtype.kind == "f"):
+                and q.dtype in _JIT_FLOATS and k.dtype in _JIT_FLOATS and v.dtype in _JIT_FLOATS):
             return self._check_token_slowly(q, k, v)
         kv_dtype = k.dtype if k.dtype.itemsize >= v.dtype.itemsize else v.dtype
         if first_bad_input(q, k, v, overflow_limit(q.dtype, self.q_dtype), overflow_limit(kv_dtype, storage)) >= 0:
@@ -182,8 +185,8 @@ class Decoder:
         check_shape("k", k, self._k_shape, "[num_kv_heads, head_dim]")
         check_shape("v", v, self._v_shape, "[num_kv_heads, head_dim_v]")
         q = cast_to_storage("q", q, self.q_dtype)
-        k, v = self.cache.check_kv(k[None], v[None], 1, layered=False)
-        return np.ascontiguousarray(q), k[0], v[0]
+        storage = self.config.dtype                    # errors index the caller's [H, D] arrays
+        return np.ascontiguousarray(q), cast_to_storage("k", k, storage), cast_to_storage("v", v, storage)
 
     def check_query(self, q, num_tokens: int) -> np.ndarray:
         """``q [T, num_q_heads, head_dim]`` validated (float, finite) and cast to the working precision."""

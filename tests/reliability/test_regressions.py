@@ -1,0 +1,37 @@
+"""Regression tests for the bugs the reliability suite found (one test, or a few, per fix; see docs/reliability.md)."""
+import numpy as np
+import pytest
+
+from decode import Decoder
+from kvcache import KVCache
+
+
+def _token(rng, dec):
+    cfg = dec.config
+    return (rng.standard_normal((dec.num_q_heads, cfg.head_dim)), rng.standard_normal((cfg.num_kv_heads, cfg.head_dim)),
+            rng.standard_normal((cfg.num_kv_heads, cfg.head_dim_v)))
+
+
+# -- 1. Decoder.step with a float dtype numba cannot type (float16, long double, byte-swapped) -------------------
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype", [np.longdouble, ">f8", ">f4", "<f2" if np.little_endian else ">f2"])
+def test_step_accepts_any_real_float_dtype_like_extend(which, dtype):
+    """The step fast path handed float16, long-double and byte-swapped arrays to the jitted finiteness check,
+    which failed with numba's NotImplementedError / TypingError (no argument name; float16 q/k/v into a float16
+    cache is the common case). They are real floats, accepted everywhere else. Its slow path also named the
+    index of a bad element in a [1, H, D] copy instead of the caller's [H, D] array."""
+    rng = np.random.default_rng(1)
+    a, b = Decoder(4, 2, 8, page_size=4, max_tokens=32), Decoder(4, 2, 8, page_size=4, max_tokens=32)
+    for _ in range(3):
+        q, k, v = _token(rng, a)
+        args = {"q": q, "k": k, "v": v}
+        args[which] = args[which].astype(dtype)
+        np.testing.assert_array_equal(a.step(args["q"], args["k"], args["v"]),
+                                      b.extend(args["q"][None], args["k"][None], args["v"][None])[0])
+    bad = args[which].copy()
+    bad[0, -1] = np.nan
+    args[which] = bad
+    before = a.cache.fingerprint()
+    with pytest.raises(ValueError, match=rf"^{which}: expected finite values, got nan at index \(0, 7\)"):
+        a.step(args["q"], args["k"], args["v"])
+    assert a.cache.fingerprint() == before
