@@ -8,6 +8,9 @@ Every call validates all of its input before the cache changes; after any error 
 exactly as before. Query ``i`` of a call sits at absolute position ``length + i`` and reads keys at positions
 ``<= length + i`` (and ``> position - window`` with a sliding window).
 """
+import math
+import numbers
+
 import numpy as np
 
 from kvcache import KVCache
@@ -58,7 +61,9 @@ class Decoder:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")
         if scale is None:
             scale = 1.0 / np.sqrt(cfg.head_dim)
-        elif isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale) or not np.isfinite(scale) or scale <= 0:
+        elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale: expected a finite float > 0, got {type(scale).__name__} {scale!r}")
+        elif not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
         self.cache, self.seq = cache, seq
         self.num_q_heads = num_q_heads

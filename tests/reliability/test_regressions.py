@@ -35,3 +35,26 @@ def test_step_accepts_any_real_float_dtype_like_extend(which, dtype):
     with pytest.raises(ValueError, match=rf"^{which}: expected finite values, got nan at index \(0, 7\)"):
         a.step(args["q"], args["k"], args["v"])
     assert a.cache.fingerprint() == before
+
+
+# -- 2. Decoder(scale=...) of a non-real type -------------------------------------------------------------------
+@pytest.mark.parametrize("scale", ["0.5", 1j, np.complex64(1), [0.5], np.array([0.5]), object(), True])
+def test_scale_of_a_wrong_type_is_a_type_error_naming_scale(scale):
+    """A str, complex or Decimal scale raised numpy's / Python's own TypeError (no argument name)."""
+    with pytest.raises(TypeError, match=r"^scale: expected a finite float > 0, got "):
+        Decoder(4, 2, 8, scale=scale)
+
+
+def test_scale_decimal_and_fraction():
+    from decimal import Decimal
+    from fractions import Fraction
+    with pytest.raises(TypeError, match="^scale: expected a finite float > 0, got Decimal"):
+        Decoder(4, 2, 8, scale=Decimal("0.5"))
+    assert Decoder(4, 2, 8, scale=Fraction(1, 2)).scale == 0.5
+    assert Decoder(4, 2, 8, scale=np.float32(0.25)).scale == 0.25
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), np.float32("nan")])
+def test_scale_out_of_range_is_a_value_error(scale):
+    with pytest.raises(ValueError, match=r"^scale: expected a finite float > 0, got "):
+        Decoder(4, 2, 8, scale=scale)
