@@ -43,7 +43,7 @@ class Decoder:
                  max_tokens=4096, *, scale=None, window=None, num_layers=1):
         cache = KVCache(num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype,
                         page_size=page_size, max_tokens=max_tokens, num_layers=num_layers)
-        self._attach(cache, cache.create_sequence(), num_q_heads, scale, window)
+        self._attach(cache, cache.create_sequence, num_q_heads, scale, window)
 
     @classmethod
     def on_cache(cls, cache: KVCache, num_q_heads, *, scale=None, window=None) -> "Decoder":
@@ -51,10 +51,11 @@ class Decoder:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache: expected a kvcache.KVCache, got {type(cache).__name__}")
         self = cls.__new__(cls)
-        self._attach(cache, cache.create_sequence(), num_q_heads, scale, window)
+        self._attach(cache, cache.create_sequence, num_q_heads, scale, window)
         return self
 
-    def _attach(self, cache: KVCache, seq: int, num_q_heads, scale, window) -> None:
+    def _attach(self, cache: KVCache, new_seq, num_q_heads, scale, window) -> None:
+        """Check the arguments, then take the sequence ``new_seq()`` (so a bad argument leaves the cache as it was)."""
         cfg = cache.config
         num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
         if num_q_heads % cfg.num_kv_heads:
@@ -65,10 +66,10 @@ class Decoder:
             raise TypeError(f"scale: expected a finite float > 0, got {type(scale).__name__} {scale!r}")
         elif not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
-        self.cache, self.seq = cache, seq
+        self.window = 0 if window is None else check_int("window", window, minimum=1)
+        self.cache, self.seq = cache, new_seq()
         self.num_q_heads = num_q_heads
         self.scale = float(scale)
-        self.window = 0 if window is None else check_int("window", window, minimum=1)
         self.q_dtype = np.dtype(np.float64 if cfg.dtype == np.float64 else np.float32)
         self._q_shape = (num_q_heads, cfg.head_dim)
         self._k_shape = (cfg.num_kv_heads, cfg.head_dim)
@@ -146,7 +147,7 @@ class Decoder:
     def fork(self) -> "Decoder":
         """A decoder of a new sequence sharing this one's pages (copy-on-write); both then go their own way."""
         child = type(self).__new__(type(self))
-        child._attach(self.cache, self.cache.fork(self.seq), self.num_q_heads, self.scale, self.window or None)
+        child._attach(self.cache, lambda: self.cache.fork(self.seq), self.num_q_heads, self.scale, self.window or None)
         return child
 
     def free(self) -> None:

@@ -58,3 +58,23 @@ def test_scale_decimal_and_fraction():
 def test_scale_out_of_range_is_a_value_error(scale):
     with pytest.raises(ValueError, match=r"^scale: expected a finite float > 0, got "):
         Decoder(4, 2, 8, scale=scale)
+
+
+# -- 3. Decoder.on_cache with a bad argument ---------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(num_q_heads=3), ValueError, "num_q_heads: expected a multiple of num_kv_heads=2, got 3"),
+    (dict(num_q_heads=0), ValueError, "num_q_heads: expected an integer >= 1, got 0"),
+    (dict(num_q_heads=4, scale=-1.0), ValueError, "scale: expected a finite float > 0, got -1.0"),
+    (dict(num_q_heads=4, window=0), ValueError, "window: expected an integer >= 1, got 0"),
+    (dict(num_q_heads=4, window=2.0), TypeError, "window: expected an integer, got float 2.0"),
+])
+def test_on_cache_with_a_bad_argument_creates_no_sequence(kwargs, error, message):
+    """on_cache created the new sequence before checking its arguments: a failed call left an empty sequence
+    registered in the shared pool (fingerprint, ``cache.sequences`` and the memory accounting changed)."""
+    cache = KVCache(num_kv_heads=2, head_dim=8, page_size=4, num_pages=8)
+    Decoder.on_cache(cache, 4)
+    before, sequences = cache.fingerprint(), cache.sequences
+    with pytest.raises(error) as info:
+        Decoder.on_cache(cache, **kwargs)
+    assert str(info.value) == message
+    assert cache.fingerprint() == before and cache.sequences == sequences
