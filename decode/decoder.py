@@ -273,6 +273,8 @@ class DecoderTransaction:
         q, k, v = dec._check_token(q, k, v)
         self._write(layer, 0, k[None], v[None])
         indices = self._pages(0)
+        if indices[max(0, self.start[0] - dec.window + 1) // self.cache.config.page_size if dec.window else 0] < 0:
+            self._released(0)
         dec._indptr[1] = len(indices)
         dec._qpos[0] = self.start[0]
         out = np.empty(dec._out_shape1, dtype=dec.q_dtype)
@@ -310,10 +312,23 @@ class DecoderTransaction:
     def _pages(self, index: int) -> np.ndarray:
         return self._tx.pages() if self._single_token else self._tx.pages(self.decoders[index].seq)
 
+    def _released(self, index: int):
+        """Raise: decoder ``index``'s first query would read a page given back by `KVCache.release_before`
+        (a -1 in the page table; the unchecked kernel would index the pool with it)."""
+        dec, position = self.decoders[index], self.start[index]
+        lo = max(0, position - dec.window + 1) if dec.window else 0
+        raise ValueError(f"seq: expected K/V held for positions {lo}..{position} (read by the query at position "
+                         f"{position}), got positions < {self.cache.first_position(dec.seq)} released "
+                         f"(KVCache.release_before)")
+
     def _attend(self, layer, q, query_seq, query_pos) -> np.ndarray:
         """One kernel call: ``q [num_queries, num_q_heads, head_dim]`` over the decoders' page tables."""
         dec = self.decoders[0]
         tables = [self._pages(i) for i in range(len(self.decoders))]
+        size = self.cache.config.page_size
+        for i, table in enumerate(tables):        # every decoder's first query reads from lo on (if it has one)
+            if len(q) and table[max(0, self.start[i] - dec.window + 1) // size if dec.window else 0] < 0:
+                self._released(i)
         if len(tables) == 1:
             indices, indptr = tables[0], np.array([0, len(tables[0])], dtype=np.int64)
         else:

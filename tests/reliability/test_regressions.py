@@ -78,3 +78,57 @@ def test_on_cache_with_a_bad_argument_creates_no_sequence(kwargs, error, message
         Decoder.on_cache(cache, **kwargs)
     assert str(info.value) == message
     assert cache.fingerprint() == before and cache.sequences == sequences
+
+
+# -- 4. The Decoder read page -1 (the pool's last page: foreign K/V) after KVCache.release_before ------------------
+def _released_setup(window=None):
+    """A (10 tokens) and B share a 4-page pool of 4-token pages; A's first two pages are released at the cache
+    level and B takes them and the last free page, so the pool's last page (what index -1 reads) holds B's K/V."""
+    rng = np.random.default_rng(4)
+    cache = KVCache(num_kv_heads=2, head_dim=8, page_size=4, num_pages=4)
+    a, b = Decoder.on_cache(cache, 4, window=window), Decoder.on_cache(cache, 4, window=window)
+    for _ in range(10):
+        a.step(*_token(rng, a))
+    cache.release_before(a.seq, 8)
+    b.extend(*(x[None].repeat(9, 0) for x in _token(rng, b)))
+    assert cache.page_table(a.seq).tolist()[:2] == [-1, -1] and 3 in cache.page_table(b.seq).tolist()
+    return rng, cache, a, b
+
+
+@pytest.mark.parametrize("call", ["step", "extend", "batch_step", "transaction"])
+def test_reading_positions_released_at_the_cache_level_is_rejected(call):
+    """No window: the next query reads positions 0.. whose page-table entries are -1; the unchecked kernel call
+    indexed k_pages[-1] (numba wraps negative indices) and silently attended over whatever the pool's last page
+    held. The paged_decode_attention wrapper rejects such a table; the Decoder now does too."""
+    from decode import batch_step
+    rng, cache, a, b = _released_setup()
+    before = cache.fingerprint()
+    q, k, v = _token(rng, a)
+    calls = {"step": lambda: a.step(q, k, v),
+             "extend": lambda: a.extend(q[None], k[None], v[None]),
+             "batch_step": lambda: batch_step([b, a], np.stack([q, q]), np.stack([k, k]), np.stack([v, v])),
+             "transaction": lambda: _in_transaction(a, q, k, v)}
+    with pytest.raises(ValueError, match=r"^seq: expected K/V held for positions 0\.\.10 \(read by the query at "
+                                         r"position 10\), got positions < 8 released"):
+        calls[call]()
+    assert cache.fingerprint() == before
+    cache.check_invariants()
+
+
+def _in_transaction(dec, q, k, v):
+    with dec.transaction(1) as tx:
+        tx.step(0, q, k, v)
+
+
+def test_window_reading_released_positions_is_rejected_and_inside_the_window_still_works():
+    rng, cache, a, b = _released_setup(window=4)        # the query at 10 reads 7..10: position 7 is released
+    before = cache.fingerprint()
+    with pytest.raises(ValueError, match=r"^seq: expected K/V held for positions 7\.\.10"):
+        a.step(*_token(rng, a))
+    assert cache.fingerprint() == before
+    with pytest.raises(ValueError, match=r"^n: expected >= 11"):    # the Decoder's own guard on truncate
+        a.truncate(9)
+    b.free()
+    c = Decoder.on_cache(cache, 4, window=2)             # a window decoder that released its own pages: fine
+    for _ in range(9):
+        c.step(*_token(rng, c))
