@@ -46,6 +46,7 @@ class TokenWrite:
         storage dtype) in ``layer``; a failure rolls the token back."""
         cache = self.cache
         try:
+            self._require_open()
             if type(layer) is not int or not 0 <= layer < cache.config.num_layers:
                 raise ValueError(f"layer: expected an int in [0, {cache.config.num_layers - 1}], got {layer!r}")
             for name, pool, src in (("write_k", cache._k, k), ("write_v", cache._v, v)):
@@ -63,6 +64,7 @@ class TokenWrite:
         return self._s.pages()
 
     def commit(self) -> None:
+        self._require_open()
         cache = self.cache
         try:
             if self._written != (1 << cache.config.num_layers) - 1:
@@ -73,6 +75,10 @@ class TokenWrite:
             self.rollback()
             raise
         self.state = "committed"
+
+    def _require_open(self) -> None:
+        if self.state != "open":               # its slot (or fresh page) may belong to someone else by now
+            raise RuntimeError(f"token: expected an open token write, got one that is {self.state}")
 
     def rollback(self) -> None:
         if self.state != "open":

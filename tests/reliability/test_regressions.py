@@ -132,3 +132,63 @@ def test_window_reading_released_positions_is_rejected_and_inside_the_window_sti
     c = Decoder.on_cache(cache, 4, window=2)             # a window decoder that released its own pages: fine
     for _ in range(9):
         c.step(*_token(rng, c))
+
+
+# -- 5. KVCache.begin_token: writes and commits after the token write ended --------------------------------------
+def _one_token(cache, rng):
+    cfg = cache.config
+    return rng.standard_normal((cfg.num_kv_heads, cfg.head_dim)), rng.standard_normal((cfg.num_kv_heads, cfg.head_dim_v))
+
+
+def test_token_write_after_rollback_cannot_touch_a_reused_page():
+    """TokenWrite.write did not check its state: after a rollback gave its fresh page back, the page went to
+    another sequence and a late write overwrote that sequence's K/V."""
+    rng = np.random.default_rng(5)
+    cache = KVCache(num_kv_heads=2, head_dim=3, page_size=4, num_pages=4)
+    a, b = cache.create_sequence(), cache.create_sequence()
+    cache.append(a, *(rng.standard_normal((4, 2, 3)) for _ in range(2)))
+    tw = cache.begin_token(a)                           # position 4: a fresh page
+    page = tw.page
+    tw.rollback()
+    cache.append(b, *(rng.standard_normal((1, 2, 3)) for _ in range(2)))
+    assert cache.page_table(b).tolist() == [page]
+    before = cache.fingerprint()
+    with pytest.raises(RuntimeError, match="^token: expected an open token write, got one that is rolled back"):
+        tw.write(0, *(x.astype(np.float32) for x in _one_token(cache, rng)))
+    with pytest.raises(RuntimeError, match="^token: expected an open token write, got one that is rolled back"):
+        tw.commit()
+    assert cache.fingerprint() == before and cache.length(a) == 4
+    cache.check_invariants()
+
+
+def test_token_commit_after_rollback_does_not_publish_an_unreserved_slot():
+    """A commit after a rollback published length + 1 over a page that had gone back to the pool."""
+    rng = np.random.default_rng(6)
+    cache = KVCache(num_kv_heads=2, head_dim=3, page_size=4, num_pages=4)
+    a = cache.create_sequence()
+    cache.append(a, *(rng.standard_normal((4, 2, 3)) for _ in range(2)))
+    tw = cache.begin_token(a)
+    tw.write(0, *(x.astype(np.float32) for x in _one_token(cache, rng)))
+    tw.rollback()
+    before = cache.fingerprint()
+    with pytest.raises(RuntimeError, match="^token: expected an open token write"):
+        tw.commit()
+    assert cache.fingerprint() == before and cache.length(a) == 4
+    cache.check_invariants()
+
+
+def test_token_write_after_commit_cannot_change_the_committed_token():
+    rng = np.random.default_rng(7)
+    cache = KVCache(num_kv_heads=2, head_dim=3, page_size=4, num_pages=4)
+    a = cache.create_sequence()
+    tw = cache.begin_token(a)
+    tw.write(0, *(x.astype(np.float32) for x in _one_token(cache, rng)))
+    tw.commit()
+    before = cache.fingerprint()
+    with pytest.raises(RuntimeError, match="^token: expected an open token write, got one that is committed"):
+        tw.write(0, *(x.astype(np.float32) for x in _one_token(cache, rng)))
+    with pytest.raises(RuntimeError, match="^token: expected an open token write, got one that is committed"):
+        tw.commit()
+    tw.rollback()                                         # a no-op, as for a Transaction
+    assert cache.fingerprint() == before and cache.length(a) == 1
+
