@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .checks import check_int
 from .journal import Journal
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class TokenWrite:
         try:
             self._require_open()
             if type(layer) is not int or not 0 <= layer < cache.config.num_layers:
-                raise ValueError(f"layer: expected an int in [0, {cache.config.num_layers - 1}], got {layer!r}")
+                layer = check_int("layer", layer, maximum=cache.config.num_layers - 1)
             for name, pool, src in (("write_k", cache._k, k), ("write_v", cache._v, v)):
                 cache._fault_hook(name)
                 dst = pool[layer, self.page, :, self.offset]                  # [num_kv_heads, head_dim]

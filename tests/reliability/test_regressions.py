@@ -192,3 +192,27 @@ def test_token_write_after_commit_cannot_change_the_committed_token():
     tw.rollback()                                         # a no-op, as for a Transaction
     assert cache.fingerprint() == before and cache.length(a) == 1
 
+
+# -- 6. The single-token path refused numpy integer layers ------------------------------------------------------
+def test_numpy_integer_layer_accepted_on_the_single_token_path():
+    """tx.step(np.int64(0), ...) in a one-token multi-layer transaction raised "layer: expected an int in [0, 1],
+    got 0" while every other path (Transaction.write, gather, k_pages) accepts numpy integers."""
+    rng = np.random.default_rng(8)
+    dec, ref = (Decoder(4, 2, 8, page_size=4, max_tokens=16, num_layers=2, dtype="float64") for _ in range(2))
+    for t in range(3):
+        tokens = [_token(rng, dec) for _ in range(2)]
+        with dec.transaction(1) as tx:
+            outs = [tx.step(np.int64(layer), *tokens[layer]) for layer in range(2)]
+        with ref.transaction(1) as tx:
+            np.testing.assert_array_equal(outs, [tx.step(layer, *tokens[layer]) for layer in range(2)])
+    assert dec.cache.fingerprint() == ref.cache.fingerprint()
+    cache = dec.cache
+    for layer, error, message in [(True, TypeError, "layer: expected an integer, got bool True"),
+                                  (2, ValueError, "layer: expected an integer in [0, 1], got 2"),
+                                  (np.int8(-1), ValueError, "layer: expected an integer in [0, 1], got -1"),
+                                  (0.0, TypeError, "layer: expected an integer, got float 0.0")]:
+        before = cache.fingerprint()
+        tw = cache.begin_token(dec.seq)
+        with pytest.raises(error) as info:
+            tw.write(layer, *(x.astype(np.float64) for x in _one_token(cache, rng)))
+        assert str(info.value) == message and cache.fingerprint() == before   # the failed write rolled back
