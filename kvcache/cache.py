@@ -18,6 +18,7 @@ while another thread truncates or frees that same sequence.
 """
 import hashlib
 import threading
+from collections import Counter
 
 import numpy as np
 
@@ -175,7 +176,7 @@ class KVCache:
                            and alloc.ref_count(int(s.table[s.num_logical_pages - 1])) > 1)
             plans.append((seq, s, new_logical, shared_tail))
         needed = sum(new - s.num_logical_pages + cow for _, s, new, cow in plans)
-        ever = sum(new - s.first_live_page for _, s, new, _ in plans) <= cfg.num_pages
+        ever = needed <= alloc.num_free_pages or self._could_ever_fit(plans)
         pages = alloc.allocate(needed, could_ever_fit=ever, what="append")
         journal.record(lambda: alloc.unallocate(pages))
         fresh = iter(pages)
@@ -189,6 +190,15 @@ class KVCache:
             s.table[old_count:new_logical] = [next(fresh) for _ in range(new_logical - old_count)]
             s.num_logical_pages = new_logical
             journal.record(lambda s=s, n=old_count: setattr(s, "num_logical_pages", n))
+
+    def _could_ever_fit(self, plans) -> bool:
+        """Whether a request fits once every other sequence is freed: the distinct pages its sequences hold (pages
+        shared by forked siblings count once), their new pages, and the copies a partial last page shared among
+        them still needs (one shared only with other sequences needs none once those are gone)."""
+        holders = Counter(page for _, s, _, _ in plans for page in s.live_pages().tolist())
+        new = sum(new_logical - s.num_logical_pages for _, s, new_logical, _ in plans)
+        copies = sum(1 for _, s, _, cow in plans if cow and holders[int(s.table[s.num_logical_pages - 1])] > 1)
+        return len(holders) + new + copies <= self.config.num_pages
 
     def _copy_on_write(self, s: Sequence, logical: int, new_page: int, journal: Journal) -> None:
         """Give ``s`` a private copy (all layers) of its shared page at ``logical``."""

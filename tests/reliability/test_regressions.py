@@ -216,3 +216,39 @@ def test_numpy_integer_layer_accepted_on_the_single_token_path():
         with pytest.raises(error) as info:
             tw.write(layer, *(x.astype(np.float64) for x in _one_token(cache, rng)))
         assert str(info.value) == message and cache.fingerprint() == before   # the failed write rolled back
+
+
+# -- 7. CacheFullError.could_ever_fit for a request over forked siblings -----------------------------------------
+def _siblings(tokens):
+    """A 4-page pool of 2-token pages: a with ``tokens`` tokens, b = fork(a), x holding one page."""
+    cache = KVCache(num_kv_heads=1, head_dim=2, page_size=2, num_pages=4)
+    a, x = cache.create_sequence(), cache.create_sequence()
+    cache.append(a, np.ones((tokens, 1, 2)), np.ones((tokens, 1, 2)))
+    b = cache.fork(a)
+    cache.append(x, np.ones((1, 1, 2)), np.ones((1, 1, 2)))
+    return cache, a, b, x
+
+
+@pytest.mark.parametrize("tokens, request_, fits", [
+    (4, (1, 1), True),       # 2 shared pages + 1 new page each = 4
+    (3, (1, 1), True),       # 2 shared pages (the last one partial: both copy it) + 2 copies = 4
+    (4, (1, 3), False),      # 2 shared + 1 + 2 new = 5 > 4
+    (3, (2, 2), False),      # 2 shared + 2 copies + 1 + 1 new = 6 > 4
+])
+def test_could_ever_fit_counts_pages_shared_inside_the_request_once(tokens, request_, fits):
+    """`_reserve` summed every sequence's logical pages, counting pages shared by forked siblings of one request
+    (beam search advancing all beams) once per sibling: it said "can never fit" for requests that fit as soon
+    as other sequences free their pages."""
+    from kvcache import CacheFullError
+    cache, a, b, x = _siblings(tokens)
+    before = cache.fingerprint()
+    with pytest.raises(CacheFullError) as info:
+        cache.transaction({a: request_[0], b: request_[1]})
+    assert info.value.could_ever_fit is fits and cache.fingerprint() == before
+    cache.free(x)
+    if fits:
+        cache.transaction({a: request_[0], b: request_[1]}).rollback()
+    else:
+        with pytest.raises(CacheFullError) as info:
+            cache.transaction({a: request_[0], b: request_[1]})
+        assert not info.value.could_ever_fit
