@@ -52,6 +52,7 @@ def ceilings(quick) -> dict:
         _CEILINGS.update(bw)
         _CEILINGS.update(mm)
         _CEILINGS["measured_at"] = "session start"
+        _CEILINGS["loadavg"] = os.getloadavg() if hasattr(os, "getloadavg") else None
         _CEILINGS["measure_seconds"] = time.perf_counter() - t0
     return _CEILINGS
 

@@ -155,7 +155,9 @@ def machine_section(res: Results) -> str:
         ("float32 matmul (numpy 2048³, median of 5)",
          f"{start.get('matmul_rate', 0) / 1e9:.0f} GFLOP/s at the start" +
          (f", {end.get('matmul_rate', 0) / 1e9:.0f} GFLOP/s at the end" if end else "")),
-        ("load average at the end (1, 5, 15 min)", ", ".join(f"{x:.2f}" for x in (m.get("loadavg_end") or []))),
+        ("load average (1, 5, 15 min) at the start / end",
+         ", ".join(f"{x:.2f}" for x in (start.get("loadavg") or [])) + " / " +
+         ", ".join(f"{x:.2f}" for x in (m.get("loadavg_end") or []))),
         ("suite knobs", f"pages of {m.get('page_size', '?')} tokens; cold working set ≥ "
                         f"{fmt_bytes(m.get('cold_bytes'))} of K/V per shape; quick={m.get('quick')}"),
     ]
@@ -172,16 +174,18 @@ def grid_section(res: Results) -> tuple[str, list]:
         if eng is None:
             continue
         m = res.metrics(eng)
+        mbest = res.metrics(eng, "min")
         t = {impl: (get(impl) or {}).get("median") for impl in GRID_IMPLS}
         kern = get("engine_kernel")
         mk = res.metrics(kern) if kern else {}
         rows.append([s, m["bound"], eng["extra"].get("layers"), *(fmt_time(t[i]) for i in GRID_IMPLS),
-                     f"{m['gbs']:.1f}", pct(m["frac_bw"]), pct(m["frac_mm"]), pct(m["roof"]), pct(mk.get("roof")),
+                     f"{m['gbs']:.1f}", pct(m["frac_bw"]), pct(m["frac_mm"]), pct(m["roof"]), pct(mbest["roof"]),
+                     pct(mk.get("roof")),
                      ratio(t["numpy_contiguous"], t["engine_step"]), ratio(t["torch_sdpa"], t["engine_step"]),
                      ratio(t["naive_concat"], t["engine_step"])])
         verdicts.append((s, m, t))
     header = ["shape", "bound", "layers", *(LABELS[i] for i in GRID_IMPLS), "engine GB/s", "% read bw",
-              "% matmul", "% roofline (step)", "% roofline (kernel)", "vs NumPy", "vs torch", "vs naive"]
+              "% matmul", "% roofline (step)", "% roofline (step, fastest round)", "% roofline (kernel)", "vs NumPy", "vs torch", "vs naive"]
     return table(header, rows), verdicts
 
 

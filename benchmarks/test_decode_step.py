@@ -19,7 +19,7 @@ def pytest_generate_tests(metafunc):
 
 
 def run_step_benchmark(benchmark, ceilings, quick, shape, impl_name, page_size=common.PAGE_SIZE, group=None,
-                       layers=None, budget=1.5, max_rounds=5000):
+                       layers=None, budget=1.0, max_rounds=5000):
     """Build (untimed), check against the float64 reference, size the rounds, then time one layer per round.
     ``layers`` None: enough for a cold cache (`common.layers_for`); 1: hot (per-call overhead)."""
     if impl_name.startswith("torch"):
@@ -31,7 +31,8 @@ def run_step_benchmark(benchmark, ceilings, quick, shape, impl_name, page_size=c
 
     # correctness first: layer 0's output against the float64 reference of the same bytes
     impl.setup(0)
-    common.check_close(f"{impl_name} {shape.label}", _as_numpy(impl.call(0)), state.reference(), shape.dtype)
+    check_s = common.time_calls(lambda: common.check_close(f"{impl_name} {shape.label}", _as_numpy(impl.call(0)),
+                                                           state.reference(), shape.dtype), [()])
     if impl_name == "numpy_contiguous":
         impl.choose_variant(rotation)
 
@@ -42,11 +43,16 @@ def run_step_benchmark(benchmark, ceilings, quick, shape, impl_name, page_size=c
 
     # warm-up (untimed; also sizes the rounds): three layers
     trial = []
-    for _ in range(3):
+    if check_s > 0.5:                              # slow baselines (0.5-3 s a call): the checked call warmed up
+        trial.append(check_s)
+    while len(trial) < 3:
         (layer,), _ = setup()
         trial.append(common.time_calls(impl.call, [(layer,)]))
-    per_call = sorted(trial)[1]
-    rounds = 1 if quick else common.choose_rounds(per_call, budget=budget, minimum=5, maximum=max_rounds)
+        if trial[-1] > 0.3:
+            break
+    per_call = sorted(trial)[len(trial) // 2]
+    minimum = 5 if per_call < 0.2 else (3 if per_call < 1.0 else 2)
+    rounds = 1 if quick else common.choose_rounds(per_call, budget=budget, minimum=minimum, maximum=max_rounds)
     benchmark.group = group or f"step {shape.label}"
     benchmark.pedantic(impl.call, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
     common.record(benchmark, ceilings, shape.kv_bytes, shape.flops, impl=impl_name, layers=layers,

@@ -111,7 +111,7 @@ def test_truncate(benchmark, ceilings, quick, warm_engine, drop):
         fill(dec, data, top)
         return (keep,), {}
 
-    rounds = rounds_for(quick, trial(dec.truncate, setup), budget=0.5, maximum=300)
+    rounds = rounds_for(quick, trial(dec.truncate, setup), budget=0.3, maximum=100)
     benchmark.group = "op truncate"
     benchmark.pedantic(dec.truncate, setup=setup, rounds=rounds)
     common.record(benchmark, ceilings, 0, 0, impl="engine_truncate", op="truncate", tokens=top - keep,
