@@ -236,7 +236,12 @@ class DecoderTransaction:
             self._tx.commit()
             if self.decoders[0].window:
                 for d in self.decoders:
-                    d._release_outside_window()
+                    try:
+                        d._release_outside_window()
+                    except Exception:
+                        # The tokens are committed: failing now would report a failed call that changed the cache.
+                        # The release is atomic (nothing was given back) and the next commit retries it.
+                        pass
 
     def rollback(self) -> None:
         self._open = False

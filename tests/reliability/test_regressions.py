@@ -252,3 +252,54 @@ def test_could_ever_fit_counts_pages_shared_inside_the_request_once(tokens, requ
         with pytest.raises(CacheFullError) as info:
             cache.transaction({a: request_[0], b: request_[1]})
         assert not info.value.could_ever_fit
+
+
+# -- 8. A fault while a sliding window gives pages back, after the step committed --------------------------------
+def test_window_release_failure_does_not_fail_the_committed_step():
+    """The step committed its token, then gave back the pages outside the window; a failure there propagated,
+    so the caller saw a failed step although its token was in the cache (a retry would append it twice).
+    Now the release is best effort after the commit: the step returns its output and the next step gives the
+    pages back."""
+    from kvcache import FaultInjector, InjectedFault
+    from kvcache.faults import no_fault
+
+    def build():
+        rng = np.random.default_rng(9)
+        dec = Decoder(4, 2, 8, page_size=2, max_tokens=16, window=3, dtype="float64")
+        for _ in range(7):
+            dec.step(*_token(rng, dec))
+        return dec, [_token(rng, dec) for _ in range(2)]
+
+    dec, (t1, t2) = build()
+    dec.cache.fault_hook = counter = FaultInjector()
+    clean_out = dec.step(*t1)
+    dec.cache.fault_hook = no_fault
+    clean_after_one = dec.cache.fingerprint()
+    clean_out2 = dec.step(*t2)
+    clean_after_two = dec.cache.fingerprint()
+    observable = (dec.kv(), dec.length, dec.cache.first_position(dec.seq), dec.cache.num_free_pages)
+    points = counter.points
+    commit = points.index("publish")                       # the token's publish; the release's points follow
+    assert "decref" in points[commit + 1:]
+    for i, point in enumerate(points):
+        dec, (t1, t2) = build()
+        before = dec.cache.fingerprint()
+        dec.cache.fault_hook = FaultInjector(fail_at=i)
+        if i <= commit:
+            with pytest.raises(InjectedFault):
+                dec.step(*t1)
+            assert dec.cache.fingerprint() == before and dec.length == 7
+            dec.cache.fault_hook = no_fault
+            np.testing.assert_array_equal(dec.step(*t1), clean_out)
+            assert dec.cache.fingerprint() == clean_after_one
+        else:
+            np.testing.assert_array_equal(dec.step(*t1), clean_out)
+            assert dec.length == 8 and dec.cache.fingerprint() != clean_after_one    # pages not given back yet
+            dec.cache.fault_hook = no_fault
+        dec.cache.check_invariants()
+        np.testing.assert_array_equal(dec.step(*t2), clean_out2)
+        if i <= commit:
+            assert dec.cache.fingerprint() == clean_after_two, f"fault #{i} at {point!r}"
+        else:              # the same K/V, window and free pages (other page ids: the release came one step later)
+            np.testing.assert_equal((dec.kv(), dec.length, dec.cache.first_position(dec.seq),
+                                     dec.cache.num_free_pages), observable)
