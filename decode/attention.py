@@ -100,6 +100,13 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
         bad = np.argwhere(~np.isfinite(q))
         if len(bad):
             raise ValueError(f"q: expected finite values, got {q[tuple(bad[0])]} at index {tuple(int(i) for i in bad[0])}")
+    if q.size and q.dtype.itemsize > compute.itemsize:    # float64 q, float32 compute: finite after the cast too
+        with np.errstate(over="ignore"):
+            finite = np.isfinite(q.astype(compute))
+        if not finite.all():
+            i = tuple(int(x) for x in np.argwhere(~finite)[0])
+            raise ValueError(f"q: expected values finite in {compute} (|x| <= {float(np.finfo(compute).max):.8g}), "
+                             f"got {q[i]} at index {i}")
 
     # ---- scalars
     if scale is None:

@@ -1,4 +1,6 @@
 """Regression tests for the bugs the reliability suite found (one test, or a few, per fix; see docs/reliability.md)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -303,3 +305,21 @@ def test_window_release_failure_does_not_fail_the_committed_step():
         else:              # the same K/V, window and free pages (other page ids: the release came one step later)
             np.testing.assert_equal((dec.kv(), dec.length, dec.cache.first_position(dec.seq),
                                      dec.cache.num_free_pages), observable)
+
+
+# -- 9. paged_decode_attention: a float64 q that overflows the float32 computation --------------------------------
+@pytest.mark.parametrize("value", [1e39, -1e39, 3.4028235677973366e38])
+def test_wrapper_rejects_q_not_finite_in_the_compute_dtype(value):
+    """q was checked finite before its cast to float32 (the compute dtype of float16/float32 pages); 1e39 became
+    inf and the kernel returned NaN rows without a word."""
+    from decode.attention import paged_decode_attention
+    k_pages = np.ones((2, 1, 4, 2), np.float32)
+    q = np.ones((1, 2, 2))
+    q[0, 1, 1] = value
+    out = np.full((1, 2, 2), 7.0, np.float32)
+    message = f"q: expected values finite in float32 (|x| <= 3.4028235e+38), got {value} at index (0, 1, 1)"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        paged_decode_attention(q, k_pages, k_pages, [0], [0, 1], [0], [3], out=out)
+    assert (out == 7.0).all()
+    q[0, 1, 1] = 3.4028234e38                                    # rounds to float32 max: finite, accepted
+    paged_decode_attention(q, k_pages, k_pages, [0], [0, 1], [0], [3], out=out)
