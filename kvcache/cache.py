@@ -154,6 +154,7 @@ class KVCache:
         id for one token). Pages are reserved now: `CacheFullError` (and every argument error) is raised
         here, with nothing changed."""
         if not isinstance(num_tokens, dict):
+            self._sequence(num_tokens)                # names a bad id (an unhashable one too) before it is a key
             num_tokens = {num_tokens: 1}
         checked = {}
         for seq, count in num_tokens.items():

@@ -323,3 +323,15 @@ def test_wrapper_rejects_q_not_finite_in_the_compute_dtype(value):
     assert (out == 7.0).all()
     q[0, 1, 1] = 3.4028234e38                                    # rounds to float32 max: finite, accepted
     paged_decode_attention(q, k_pages, k_pages, [0], [0, 1], [0], [3], out=out)
+
+
+# -- 10. KVCache.transaction with an unhashable sequence id -------------------------------------------------------
+@pytest.mark.parametrize("num_tokens", [[0, 1], np.array([0]), {0, 1}])
+def test_transaction_with_an_unhashable_id_names_seq(num_tokens):
+    """`transaction([0, 1])` made the list a dict key: "TypeError: unhashable type: 'list'", no argument named."""
+    cache = KVCache(num_kv_heads=1, head_dim=2, page_size=2, num_pages=4)
+    cache.create_sequence()
+    before = cache.fingerprint()
+    with pytest.raises(TypeError, match=r"^seq: expected an integer sequence id, got "):
+        cache.transaction(num_tokens)
+    assert cache.fingerprint() == before
