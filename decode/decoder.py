@@ -5,7 +5,8 @@
     outs = dec.extend(q, k, v)     # q [T, num_q_heads, head_dim] -> [T, num_q_heads, head_dim_v]
 
 Every call validates all of its input before the cache changes; after any error the decoder and its pool are
-exactly as before. Query ``i`` of a call sits at absolute position ``length + i`` and reads keys at positions
+exactly as before. Inputs must be finite (after the cast to the storage dtype) and bounded in magnitude
+(`decode._validate.magnitude_limits`: |k|, |v| < 2**48 for float32 compute) so that no score overflows. Query ``i`` of a call sits at absolute position ``length + i`` and reads keys at positions
 ``<= length + i`` (and ``> position - window`` with a sliding window).
 """
 import math
@@ -16,7 +17,7 @@ import numpy as np
 from kvcache import KVCache
 from kvcache.checks import as_float_array, cast_to_storage, check_int, check_shape
 
-from ._validate import first_bad_input, overflow_limit
+from ._validate import check_magnitude, first_bad_input, magnitude_limits, overflow_limit
 from .attention import _paged_decode_attention_unchecked
 
 # input dtypes the jitted check takes (numba types neither float16 nor long double nor byte-swapped arrays)
@@ -71,6 +72,7 @@ class Decoder:
         self.num_q_heads = num_q_heads
         self.scale = float(scale)
         self.q_dtype = np.dtype(np.float64 if cfg.dtype == np.float64 else np.float32)
+        self._q_limit, self._kv_limit = magnitude_limits(self.q_dtype, cfg.head_dim, self.scale)
         self._q_shape = (num_q_heads, cfg.head_dim)
         self._k_shape = (cfg.num_kv_heads, cfg.head_dim)
         self._v_shape = (cfg.num_kv_heads, cfg.head_dim_v)
@@ -180,7 +182,8 @@ class Decoder:
                 and q.dtype in _JIT_FLOATS and k.dtype in _JIT_FLOATS and v.dtype in _JIT_FLOATS):
             return self._check_token_slowly(q, k, v)
         kv_dtype = k.dtype if k.dtype.itemsize >= v.dtype.itemsize else v.dtype
-        if first_bad_input(q, k, v, overflow_limit(q.dtype, self.q_dtype), overflow_limit(kv_dtype, storage)) >= 0:
+        if first_bad_input(q, k, v, min(overflow_limit(q.dtype, self.q_dtype), self._q_limit),
+                           min(overflow_limit(kv_dtype, storage), self._kv_limit)) >= 0:
             return self._check_token_slowly(q, k, v)                  # raises, naming the element
         return (q if q.dtype == self.q_dtype and q.flags.c_contiguous else np.ascontiguousarray(q, self.q_dtype),
                 k if k.dtype == storage else k.astype(storage), v if v.dtype == storage else v.astype(storage))
@@ -192,13 +195,29 @@ class Decoder:
         check_shape("v", v, self._v_shape, "[num_kv_heads, head_dim_v]")
         q = cast_to_storage("q", q, self.q_dtype)
         storage = self.config.dtype                    # errors index the caller's [H, D] arrays
-        return np.ascontiguousarray(q), cast_to_storage("k", k, storage), cast_to_storage("v", v, storage)
+        k, v = cast_to_storage("k", k, storage), cast_to_storage("v", v, storage)
+        check_magnitude("q", q, self._q_limit, self.q_dtype)
+        self._check_kv_magnitude(k, v)
+        return np.ascontiguousarray(q), k, v
+
+    def _check_kv_magnitude(self, k, v) -> None:
+        check_magnitude("k", k, self._kv_limit, self.q_dtype)
+        check_magnitude("v", v, self._kv_limit, self.q_dtype)
+
+    def check_kv(self, k, v, num_tokens: int):
+        """``k [T, num_kv_heads, head_dim]``, ``v [T, num_kv_heads, head_dim_v]`` validated (`KVCache.check_kv`,
+        then the magnitude limits) and cast to the storage dtype."""
+        k, v = self.cache.check_kv(k, v, num_tokens, layered=False)
+        self._check_kv_magnitude(k, v)
+        return k, v
 
     def check_query(self, q, num_tokens: int) -> np.ndarray:
         """``q [T, num_q_heads, head_dim]`` validated (float, finite) and cast to the working precision."""
         q = as_float_array("q", q)
         check_shape("q", q, (num_tokens, self.num_q_heads, self.config.head_dim), "[T, num_q_heads, head_dim]")
-        return np.ascontiguousarray(cast_to_storage("q", q, self.q_dtype))
+        q = cast_to_storage("q", q, self.q_dtype)
+        check_magnitude("q", q, self._q_limit, self.q_dtype)
+        return np.ascontiguousarray(q)
 
 
 class DecoderTransaction:
@@ -250,8 +269,8 @@ class DecoderTransaction:
     # -- per layer --------------------------------------------------------------------------------------------
     def append(self, layer: int, k, v) -> None:
         """Write one layer's K/V of the (single) decoder: ``k [T, num_kv_heads, head_dim]``."""
-        self._guard(lambda: self._write(layer, 0, *self.cache.check_kv(k, v, self.num_tokens[self.decoders[0].seq],
-                                                                        layered=False)))
+        dec = self.decoders[0]
+        self._guard(lambda: self._write(layer, 0, *dec.check_kv(k, v, self.num_tokens[dec.seq])))
 
     def extend(self, layer: int, q, k, v) -> np.ndarray:
         """Write one layer's K/V of the (single) decoder and attend with its T queries:
@@ -260,7 +279,7 @@ class DecoderTransaction:
 
         def run():
             checked_q = dec.check_query(q, count)
-            self._write(layer, 0, *self.cache.check_kv(k, v, count, layered=False))
+            self._write(layer, 0, *dec.check_kv(k, v, count))
             positions = np.arange(self.start[0], self.start[0] + count, dtype=np.int64)
             return self._attend(layer, checked_q, np.zeros(count, dtype=np.int32), positions)
         return self._guard(run)
@@ -290,7 +309,7 @@ class DecoderTransaction:
     def _step_batch(self, layer, q, k, v) -> np.ndarray:
         count = len(self.decoders)
         q = self.decoders[0].check_query(q, count)
-        k, v = self.cache.check_kv(k, v, count, layered=False)           # [B, H, D]: one token per sequence
+        k, v = self.decoders[0].check_kv(k, v, count)                   # [B, H, D]: one token per sequence
         for i in range(count):
             self._write(layer, i, k[i:i + 1], v[i:i + 1])
         return self._attend(layer, q, np.arange(count, dtype=np.int32), np.array(self.start, dtype=np.int64))

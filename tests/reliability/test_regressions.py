@@ -335,3 +335,67 @@ def test_transaction_with_an_unhashable_id_names_seq(num_tokens):
     with pytest.raises(TypeError, match=r"^seq: expected an integer sequence id, got "):
         cache.transaction(num_tokens)
     assert cache.fingerprint() == before
+
+
+# -- 11. Finite inputs whose scores overflow the float32 computation ---------------------------------------------
+def _overflowing_case(rng):
+    """One float32 decoder and a block whose scores q.k * scale exceed float32 for one key (q, k ~ 1e19..1e21,
+    each finite in float32)."""
+    n = int(rng.integers(2, 20))
+    k, v = rng.standard_normal((n, 1, 4)), rng.standard_normal((n, 1, 4))
+    k[rng.integers(0, n)] *= 10.0 ** rng.uniform(18, 21) * rng.choice([-1, 1])
+    q = rng.standard_normal((n, 2, 4)) * 10.0 ** rng.uniform(18, 21)
+    return q, k, v
+
+
+def test_overflowing_scores_are_rejected_not_garbage():
+    """Finite q and k whose scores overflow float32 went through: the fastmath kernel then returned NaN, raised
+    ZeroDivisionError, or (29 of 3000 random cases) returned finite numbers unrelated to the attention. The
+    Decoder now bounds |q| * scale and |k|, |v| so that every score, score difference and weighted sum is finite
+    in the compute dtype (docs/reliability.md), and rejects larger inputs naming the element."""
+    from reference.dense import decode_reference
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        q, k, v = _overflowing_case(rng)
+        dec = Decoder(2, 1, 4, page_size=4, max_tokens=64)
+        before = dec.cache.fingerprint()
+        try:
+            out = dec.extend(q, k, v)
+        except ValueError as error:
+            assert re.match(r"^[qk]: expected \|x\| < [0-9.e+]+ \(scores q\.k \* scale and the weighted sums of v "
+                            r"must stay finite in float32\), got \S+ at index \(\d+, \d+, \d+\)$", str(error)), error
+            assert dec.cache.fingerprint() == before
+        else:
+            ref = decode_reference(q, k.astype(np.float32), v.astype(np.float32), 0)
+            np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["step", "step_slow", "extend", "append", "batch_step"])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_magnitude_limits_on_every_decoder_path(path, which):
+    from decode import batch_step
+    from decode._validate import magnitude_limits
+    rng = np.random.default_rng(12)
+    cache = KVCache(num_kv_heads=2, head_dim=8, page_size=4, num_pages=8)
+    dec, other = Decoder.on_cache(cache, 4), Decoder.on_cache(cache, 4)
+    q_limit, kv_limit = magnitude_limits(np.dtype(np.float32), 8, dec.scale)
+    assert kv_limit == 2.0 ** 48 and q_limit == 2.0 ** 78 / (8 * dec.scale)
+    q, k, v = _token(rng, dec)
+    arrays = {"q": q, "k": k, "v": v}
+    if which == "q" and path == "append":
+        return
+    arrays[which][1, 5] = (q_limit if which == "q" else kv_limit) * 1.0000001
+    if path == "step_slow":
+        arrays = {name: x.astype(np.float16) if name != which else x for name, x in arrays.items()}
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    calls = {"step": lambda: dec.step(q, k, v), "step_slow": lambda: dec.step(q, k, v),
+             "extend": lambda: dec.extend(q[None], k[None], v[None]), "append": lambda: dec.append(k[None], v[None]),
+             "batch_step": lambda: batch_step([other, dec], np.stack([q * 0, q]), np.stack([k * 0, k]),
+                                              np.stack([v * 0, v]))}
+    index = {"step": "(1, 5)", "step_slow": "(1, 5)", "batch_step": "(1, 1, 5)"}.get(path, "(0, 1, 5)")
+    before = cache.fingerprint()
+    with pytest.raises(ValueError, match=rf"^{which}: expected \|x\| < .* at index {re.escape(index)}$"):
+        calls[path]()
+    assert cache.fingerprint() == before
+    arrays[which][1, 5] /= 1.0001                                          # just below the limit: accepted
+    calls[path]()
