@@ -64,6 +64,21 @@ class CacheConfig:
         """K and V bytes of one page over all layers."""
         return self.bytes_per_token * self.page_size
 
+    def element_offset(self, layer: int, page: int, head: int, slot: int, dim: int, *, v: bool = False) -> int:
+        """The layout contract: flat index of K element ``[layer, page, head, slot, dim]`` (V with ``v=True``) in
+        the C-ordered pool array ``[num_layers, num_pages, num_kv_heads, page_size, head_dim (or head_dim_v)]``.
+
+        A Python int (never wraps): times ``dtype.itemsize`` it is the byte offset, past 2**31 for any pool over
+        2 GiB. Readers must index with 64-bit integers (numpy and numba index with intp); an int32 offset would
+        wrap and read another page's K/V."""
+        width = self.head_dim_v if v else self.head_dim
+        layer = check_int("layer", layer, maximum=self.num_layers - 1)
+        page = check_int("page", page, maximum=self.num_pages - 1)
+        head = check_int("head", head, maximum=self.num_kv_heads - 1)
+        slot = check_int("slot", slot, maximum=self.page_size - 1)
+        dim = check_int("dim", dim, maximum=width - 1)
+        return (((layer * self.num_pages + page) * self.num_kv_heads + head) * self.page_size + slot) * width + dim
+
     def pages_for(self, tokens: int) -> int:
         """Pages that hold ``tokens`` tokens (ceil division)."""
         return -(-tokens // self.page_size)
