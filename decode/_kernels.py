@@ -471,11 +471,11 @@ def _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc):
     Leaves the running max m[G], running sum l[G] and the unnormalised output acc[G, Dv].
 
     Keys are taken `block` at a time (block is a multiple of page_size, blocks aligned to absolute positions),
-    each page tile in chunks of 16 rows. Software prefetch runs one phase ahead: while the scores of a chunk are
-    computed its V rows are requested, while a V chunk is applied the K rows at the same offset of the next block
-    are requested (the hardware prefetchers do not follow several rows read in lockstep)."""
+    each page tile in chunks of ~4 KiB (4-16 rows). Software prefetch runs one phase ahead: while the scores of a
+    chunk are computed its V rows are requested, while a V chunk is applied the K rows at the same offset of the
+    next block are requested (the hardware prefetchers do not follow several rows read in lockstep)."""
     P = k_pages.shape[2]
-    RC = 16
+    RC = min(16, max(4, 4096 // (k_pages.shape[3] * k_pages.itemsize)))  # rows per chunk: ~4 KiB of K
     first = True
     b0 = lo
     while b0 < hi:

@@ -99,14 +99,20 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
     if q.size and not np.isfinite(q.sum()):       # one pass; inf/nan propagate (a finite-sum overflow falls through)
         bad = np.argwhere(~np.isfinite(q))
         if len(bad):
-            raise ValueError(f"q: expected finite values, got {q[tuple(bad[0])]} at index {tuple(int(i) for i in bad[0])}")
-    if q.size and q.dtype.itemsize > compute.itemsize:    # float64 q, float32 compute: finite after the cast too
+            i = tuple(int(x) for x in bad[0])
+            raise ValueError(f"q: expected finite values, got {q[i]} at index {i}")
+    q_in = q
+    if q.dtype != compute:                         # the kernel's copy, cast once
         with np.errstate(over="ignore"):
-            finite = np.isfinite(q.astype(compute))
-        if not finite.all():
-            i = tuple(int(x) for x in np.argwhere(~finite)[0])
-            raise ValueError(f"q: expected values finite in {compute} (|x| <= {float(np.finfo(compute).max):.8g}), "
-                             f"got {q[i]} at index {i}")
+            q = q.astype(compute, order="C")
+        if q.dtype.itemsize < q_in.dtype.itemsize and q.size and not np.isfinite(q.sum()):
+            finite = np.isfinite(q)                # float64 q, float32 compute: finite after the cast too
+            if not finite.all():
+                i = tuple(int(x) for x in np.argwhere(~finite)[0])
+                raise ValueError(f"q: expected values finite in {compute} (|x| <= {float(np.finfo(compute).max):.8g}), "
+                                 f"got {q_in[i]} at index {i}")
+    elif not q.flags.c_contiguous:
+        q = np.ascontiguousarray(q)
 
     # ---- scalars
     if scale is None:
@@ -190,10 +196,6 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
             raise ValueError(f"page_indices: expected allocated pages for the visible positions "
                              f"{int(lo[bad])}..{int(query_pos[bad])} of query {bad} (sequence {int(query_seq[bad])}), "
                              f"got a freed page (-1)")
-    if q.dtype != compute:
-        q = q.astype(compute)
-    elif not q.flags.c_contiguous:
-        q = np.ascontiguousarray(q)
     return _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
                                              scale, window, out)
 
