@@ -1,0 +1,90 @@
+"""The suite against the bugs other engines shipped: each is planted here (monkeypatch, in-process) and the random
+driver, with its guard pages, dense model and fingerprints, must report a divergence within a short run.
+
+A mutation the driver cannot see would mean a blind spot in the reliability suite, not in the engine.
+"""
+import numpy as np
+import pytest
+
+import decode.decoder as decoder_module
+import kvcache.allocator as allocator_module
+import kvcache.token as token_module
+from .driver import Divergence, Settings, run
+
+pytestmark = pytest.mark.kernel
+
+
+def shift_positions(monkeypatch, how):
+    """The decoder's kernel call sees other query positions than the tokens' own (a mistyped length)."""
+    real = decoder_module._paged_decode_attention_unchecked
+
+    def kernel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out, **kw):
+        size = k_pages.shape[2]
+        capacity = (page_indptr[query_seq + 1] - page_indptr[query_seq]) * size
+        pos = np.asarray(query_pos).copy()
+        if how == "one past the length":                   # reads a slot no token was written to
+            pos = np.minimum(pos + 1, capacity - 1)
+        elif how == "whole last page":                      # reads the unused tail of the last page
+            pos = capacity - 1
+        else:                                               # the new token left out: attends one key short
+            pos = np.maximum(pos - 1, 0)
+        return real(q, k_pages, v_pages, page_indices, page_indptr, query_seq, pos, scale, window, out, **kw)
+    monkeypatch.setattr(decoder_module, "_paged_decode_attention_unchecked", kernel)
+
+
+def plant(monkeypatch, bug):
+    if bug == "stale shared prefix (no copy-on-write)":
+        monkeypatch.setattr(allocator_module.PageAllocator, "ref_count", lambda self, page: 1)
+    elif bug == "pages leaked by an aborted request":
+        monkeypatch.setattr(allocator_module.PageAllocator, "unallocate", lambda self, pages: None)
+    elif bug == "double free":
+        real = allocator_module.PageAllocator.decref
+
+        def decref(self, page):
+            freed = real(self, page)
+            if not freed:
+                self._free.append(page)                   # handed out again while still mapped
+            return freed
+        monkeypatch.setattr(allocator_module.PageAllocator, "decref", decref)
+    elif bug == "failed call keeps its bytes":
+        real = token_module.TokenWrite.rollback
+
+        def rollback(self):
+            self._saved = []
+            real(self)
+        monkeypatch.setattr(token_module.TokenWrite, "rollback", rollback)
+    elif bug == "length published before every layer was written":
+        real = token_module.TokenWrite.commit
+
+        def commit(self):
+            self._written = (1 << self.cache.config.num_layers) - 1
+            real(self)
+        monkeypatch.setattr(token_module.TokenWrite, "commit", commit)
+    elif bug == "window gives back a page still read":
+        def release(self):
+            if self.window and self.length > self.window:
+                self.cache.release_before(self.seq, min(self.length, self.length - self.window + 1 +
+                                                        self.config.page_size))
+        monkeypatch.setattr(decoder_module.Decoder, "_release_outside_window", release)
+    else:
+        shift_positions(monkeypatch, bug)
+
+
+BUGS = {
+    "stale shared prefix (no copy-on-write)": {},
+    "pages leaked by an aborted request": {},
+    "double free": {},
+    "failed call keeps its bytes": {},
+    "length published before every layer was written": dict(layers=2),
+    "window gives back a page still read": dict(window=6),
+    "one past the length": {},                             # an out-of-bounds read inside the page table
+    "whole last page": {},                                 # NaN from garbage in unused slots
+    "one short": {},                                       # silent error from a mistyped length
+}
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_planted_bug_is_caught(bug, monkeypatch):
+    plant(monkeypatch, bug)
+    with pytest.raises(Divergence):
+        run(Settings(ops=1500, seed=7, **BUGS[bug]))
