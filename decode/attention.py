@@ -29,6 +29,7 @@ from . import _kernels
 SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
 MIN_SPLIT_TOKENS = 64        # flash-decoding splits are never shorter than this (then rounded to whole blocks)
 
+_F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _Q_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _I32 = np.dtype(np.int32)
@@ -50,7 +51,8 @@ def _array(name, x, ndim, kinds, what):
 def _index_array(name, x, dtype):
     x = _array(name, x, 1, "iu", "an integer array")
     if x.dtype != dtype:
-        if x.size and (x.min() < np.iinfo(dtype).min or x.max() > np.iinfo(dtype).max):
+        if x.size and not np.can_cast(x.dtype, dtype) and (x.min() < np.iinfo(dtype).min
+                                                           or x.max() > np.iinfo(dtype).max):
             raise ValueError(f"{name}: expected values that fit {dtype}, got range [{x.min()}, {x.max()}]")
         x = x.astype(dtype)
     return x
@@ -96,23 +98,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
     if num_q_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"q: expected num_q_heads a positive multiple of num_kv_heads={num_kv_heads}, "
                          f"got {num_q_heads}")
-    if q.size and not np.isfinite(q.sum()):       # one pass; inf/nan propagate (a finite-sum overflow falls through)
-        bad = np.argwhere(~np.isfinite(q))
-        if len(bad):
-            i = tuple(int(x) for x in bad[0])
-            raise ValueError(f"q: expected finite values, got {q[i]} at index {i}")
-    q_in = q
-    if q.dtype != compute:                         # the kernel's copy, cast once
-        with np.errstate(over="ignore"):
-            q = q.astype(compute, order="C")
-        if q.dtype.itemsize < q_in.dtype.itemsize and q.size and not np.isfinite(q.sum()):
-            finite = np.isfinite(q)                # float64 q, float32 compute: finite after the cast too
-            if not finite.all():
-                i = tuple(int(x) for x in np.argwhere(~finite)[0])
-                raise ValueError(f"q: expected values finite in {compute} (|x| <= {float(np.finfo(compute).max):.8g}), "
-                                 f"got {q_in[i]} at index {i}")
-    elif not q.flags.c_contiguous:
-        q = np.ascontiguousarray(q)
+    q_limit = _F32_LIMIT if q.itemsize > compute.itemsize else math.inf
 
     # ---- scalars
     if scale is None:
@@ -135,18 +121,6 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
     if len(page_indptr) < 2:
         raise ValueError(f"page_indptr: expected num_seqs + 1 >= 2 entries, got {len(page_indptr)}")
     num_seqs = len(page_indptr) - 1
-    steps = np.diff(page_indptr)
-    if page_indptr[0] < 0 or page_indptr[-1] > len(page_indices) or steps.min() < 0:
-        raise ValueError(f"page_indptr: expected non-decreasing offsets in [0, {len(page_indices)}], "
-                         f"got {page_indptr.tolist() if num_seqs < 20 else page_indptr}")
-    neg = False
-    if len(page_indices):
-        lo_i, hi_i = page_indices.min(), page_indices.max()
-        if lo_i < -1 or hi_i >= num_pages:
-            bad = int(np.flatnonzero((page_indices < -1) | (page_indices >= num_pages))[0])
-            raise ValueError(f"page_indices: expected physical pages in [0, {num_pages}) (or -1 for a freed page), "
-                             f"got {page_indices[bad]} at index {bad}")
-        neg = lo_i < 0
 
     # ---- queries -> sequences, positions
     query_seq = _index_array("query_seq", query_seq, _I32)
@@ -173,31 +147,46 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
     if num_queries == 0:
         return out
 
-    if query_seq.min() < 0 or query_seq.max() >= num_seqs:
-        bad = int(np.flatnonzero((query_seq < 0) | (query_seq >= num_seqs))[0])
-        raise ValueError(f"query_seq: expected sequence indices in [0, {num_seqs}), got {query_seq[bad]} "
-                         f"at index {bad}")
-    first = page_indptr[query_seq]
-    capacity = (page_indptr[query_seq + 1] - first) * page_size
-    badpos = (query_pos < 0) | (query_pos >= capacity)
-    if badpos.any():
-        bad = int(np.flatnonzero(badpos)[0])
-        raise ValueError(f"query_pos: expected 0 <= position < {int(capacity[bad])} (the page capacity of "
-                         f"sequence {int(query_seq[bad])}), got {int(query_pos[bad])} at index {bad}")
-    if neg:
-        # a visible range lo..p may not touch a freed (-1) page: count negatives per range with a prefix sum
-        lo = np.maximum(query_pos - window + 1, 0) if window else np.zeros_like(query_pos)
-        cneg = np.concatenate(([0], np.cumsum(page_indices < 0)))
-        a = first + lo // page_size
-        b = first + query_pos // page_size + 1
-        touched = cneg[b] - cneg[a] > 0
-        if touched.any():
-            bad = int(np.flatnonzero(touched)[0])
-            raise ValueError(f"page_indices: expected allocated pages for the visible positions "
-                             f"{int(lo[bad])}..{int(query_pos[bad])} of query {bad} (sequence {int(query_seq[bad])}), "
-                             f"got a freed page (-1)")
+    q_flat = q.reshape(-1) if q.flags.c_contiguous else np.ascontiguousarray(q).reshape(-1)
+    code, bad = _kernels.check_inputs(q_flat, q_limit, page_indices, page_indptr, query_seq, query_pos, num_pages,
+                                      page_size, window)
+    if code:
+        raise _input_error(code, bad, q, compute, page_indices, page_indptr, query_seq, query_pos, num_pages,
+                           page_size, window)
+    if q.dtype != compute:
+        q = q.astype(compute, order="C")
+    elif not q.flags.c_contiguous:
+        q = np.ascontiguousarray(q)
     return _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
                                              scale, window, out)
+
+
+def _input_error(code, bad, q, compute, page_indices, page_indptr, query_seq, query_pos, num_pages, page_size,
+                 window):
+    if code >= 6:
+        i = tuple(int(x) for x in np.unravel_index(bad, q.shape))
+        if code == 6:
+            return ValueError(f"q: expected finite values, got {q[i]} at index {i}")
+        return ValueError(f"q: expected values finite in {compute} (|x| <= {float(np.finfo(compute).max):.8g}), "
+                          f"got {q[i]} at index {i}")
+    num_seqs = len(page_indptr) - 1
+    if code == 1:
+        return ValueError(f"page_indptr: expected non-decreasing offsets in [0, {len(page_indices)}], "
+                          f"got {page_indptr.tolist() if num_seqs < 20 else page_indptr} (entry {bad})")
+    if code == 2:
+        return ValueError(f"page_indices: expected physical pages in [0, {num_pages}) (or -1 for a freed page), "
+                          f"got {page_indices[bad]} at index {bad}")
+    if code == 3:
+        return ValueError(f"query_seq: expected sequence indices in [0, {num_seqs}), got {query_seq[bad]} "
+                          f"at index {bad}")
+    s, p = int(query_seq[bad]), int(query_pos[bad])
+    if code == 4:
+        capacity = int(page_indptr[s + 1] - page_indptr[s]) * page_size
+        return ValueError(f"query_pos: expected 0 <= position < {capacity} (the page capacity of sequence {s}), "
+                          f"got {p} at index {bad}")
+    lo = max(0, p - window + 1) if window else 0
+    return ValueError(f"page_indices: expected allocated pages for the visible positions {lo}..{p} of query {bad} "
+                      f"(sequence {s}), got a freed page (-1)")
 
 
 def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
