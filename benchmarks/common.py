@@ -135,6 +135,7 @@ def measure_matmul_rate(n: int = 2048, repeats: int = 5) -> dict:
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
     c = a @ b
+    np.matmul(a, b, out=c)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -144,6 +145,29 @@ def measure_matmul_rate(n: int = 2048, repeats: int = 5) -> dict:
     med = float(np.median(times))
     return {"matmul_rate": flops / med, "matmul_rate_best": flops / min(times), "matmul_n": n,
             "matmul_samples": [flops / t for t in times]}
+
+
+class Ceilings(dict):
+    """The session's ceilings (``read_bw``, ``matmul_rate``, measured once at the start) plus `near`: the same two
+    probes, smaller, re-measured right before each group of benchmarks (one shape), so the fractions of a group
+    are relative to what the machine could do at that moment (other jobs share these 2 cores; the session-start
+    bandwidth and the one at the end differed by up to 2x)."""
+
+    def __init__(self, session: dict, quick: bool):
+        super().__init__(session)
+        self.quick = quick
+        self._key, self._near = None, None
+
+    def near(self, key) -> dict:
+        if self.quick:
+            return dict(self, probe="session")
+        if key != self._key:
+            bw = measure_read_bandwidth(nbytes=512 * MiB, repeats=5)
+            mm = measure_matmul_rate(n=2048, repeats=3)
+            self._near = {"read_bw": bw["read_bw"], "matmul_rate": mm["matmul_rate"], "probe": f"before {key}",
+                          "session_read_bw": self["read_bw"], "session_matmul_rate": self["matmul_rate"]}
+            self._key = key
+        return dict(self._near)
 
 
 def metrics(seconds: float, kv_bytes: float, flops: float, ceilings: dict) -> dict:
@@ -169,6 +193,9 @@ def record(benchmark, ceilings: dict, kv_bytes: float, flops: float, per_call: i
     benchmark.extra_info.update(info)
     benchmark.extra_info.update({"kv_bytes": int(kv_bytes), "flops": int(flops), "per_call": per_call,
                                  "read_bw": ceilings["read_bw"], "matmul_rate": ceilings["matmul_rate"]})
+    for key in ("probe", "session_read_bw", "session_matmul_rate"):
+        if key in ceilings:
+            benchmark.extra_info[key] = ceilings[key]
     stats = getattr(getattr(benchmark, "stats", None), "stats", None)
     if stats is not None and stats.median > 0:
         benchmark.extra_info.update(metrics(stats.median / per_call, kv_bytes, flops, ceilings))

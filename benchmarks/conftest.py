@@ -40,10 +40,11 @@ def quick(request) -> bool:
 
 
 @pytest.fixture(scope="session")
-def ceilings(quick) -> dict:
+def ceilings(quick) -> "common.Ceilings":
     """The machine's read bandwidth (numba prange sum, 2 threads, ~1 GiB, median of 7) and numpy float32
-    matmul rate (2048^3, median of 5), measured once at the start of the session; every benchmark's
-    fractions are relative to these, so they survive a noisy shared machine."""
+    matmul rate (2048^3, median of 5), measured once at the start of the session; ``ceilings.near(key)`` probes
+    both again (512 MiB, 2048^3) before each group of cold benchmarks, and the fractions of that group are
+    relative to the probe, so they survive a noisy shared machine."""
     if not _CEILINGS:
         t0 = time.perf_counter()
         bw = common.measure_read_bandwidth(nbytes=(64 * common.MiB if quick else common.GiB),
@@ -54,7 +55,7 @@ def ceilings(quick) -> dict:
         _CEILINGS["measured_at"] = "session start"
         _CEILINGS["loadavg"] = os.getloadavg() if hasattr(os, "getloadavg") else None
         _CEILINGS["measure_seconds"] = time.perf_counter() - t0
-    return _CEILINGS
+    return common.Ceilings(_CEILINGS, quick)
 
 
 @pytest.fixture(scope="session")

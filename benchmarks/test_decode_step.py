@@ -24,7 +24,9 @@ def run_step_benchmark(benchmark, ceilings, quick, shape, impl_name, page_size=c
     ``layers`` None: enough for a cold cache (`common.layers_for`); 1: hot (per-call overhead)."""
     if impl_name.startswith("torch"):
         pytest.importorskip("torch")
-    layers = common.layers_for(shape, quick) if layers is None else layers
+    cold = layers is None
+    layers = common.layers_for(shape, quick) if cold else layers
+    ceil = ceilings.near(f"{shape.label} page {page_size}") if cold else ceilings
     state = ShapeState.get(shape, layers, page_size)
     impl = state.impl(impl_name)
     rotation = common.Rotation(layers)
@@ -55,7 +57,7 @@ def run_step_benchmark(benchmark, ceilings, quick, shape, impl_name, page_size=c
     rounds = 1 if quick else common.choose_rounds(per_call, budget=budget, minimum=minimum, maximum=max_rounds)
     benchmark.group = group or f"step {shape.label}"
     benchmark.pedantic(impl.call, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
-    common.record(benchmark, ceilings, shape.kv_bytes, shape.flops, impl=impl_name, layers=layers,
+    common.record(benchmark, ceil, shape.kv_bytes, shape.flops, impl=impl_name, layers=layers,
                   page_size=page_size, cold_bytes=layers * shape.kv_bytes, rounds=rounds,
                   description=type(impl).__doc__.split("\n\n")[0].replace("\n", " "),
                   **shape.info(), **impl.extra)

@@ -188,6 +188,7 @@ def test_batched_step(benchmark, ceilings, quick, warm_engine, batch, how):
     from kvcache import KVCache
 
     shape, lengths = batch_case(quick, batch)
+    ceil = ceilings.near(f"batched step B={batch}")
     data = common.Data(shape, 1)
     pool = KVCache(num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=shape.dtype, page_size=PAGE,
                    num_pages=int(sum(-(-(int(n) + 2) // PAGE) for n in lengths)) + batch)
@@ -224,7 +225,7 @@ def test_batched_step(benchmark, ceilings, quick, warm_engine, batch, how):
     benchmark.group = f"batched step B={batch}"
     benchmark.pedantic(run, setup=setup, rounds=rounds)
     keys = int(sum(lengths + 1))
-    common.record(benchmark, ceilings, keys * token_bytes(shape), 4 * shape.num_q_heads * keys * shape.head_dim,
+    common.record(benchmark, ceil, keys * token_bytes(shape), 4 * shape.num_q_heads * keys * shape.head_dim,
                   impl=f"engine_{how}", op="batched_step", batch=batch, keys_attended=keys,
                   lengths_min=int(lengths.min()), lengths_max=int(lengths.max()), **shape.info())
 
