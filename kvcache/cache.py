@@ -136,7 +136,10 @@ class KVCache:
             k, v = k[None], v[None] if v.ndim == 3 else v
         lead, labels = ((cfg.num_layers,), "[num_layers, T, num_kv_heads, ") if layered else ((), "[T, num_kv_heads, ")
         if num_tokens is None:
-            num_tokens = k.shape[len(lead)] if k.ndim == len(lead) + 3 else -1
+            if k.ndim != len(lead) + 3:                    # no T to show: name it
+                shape = ", ".join(map(str, lead + ("T", cfg.num_kv_heads, cfg.head_dim)))
+                raise ValueError(f"k: expected shape {labels}head_dim] = ({shape}), got {k.shape}")
+            num_tokens = k.shape[len(lead)]
         check_shape("k", k, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim), labels + "head_dim]")
         check_shape("v", v, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim_v), labels + "head_dim_v]")
         return cast_to_storage("k", k, cfg.dtype), cast_to_storage("v", v, cfg.dtype)

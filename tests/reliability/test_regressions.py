@@ -399,3 +399,14 @@ def test_magnitude_limits_on_every_decoder_path(path, which):
     assert cache.fingerprint() == before
     arrays[which][1, 5] /= 1.0001                                          # just below the limit: accepted
     calls[path]()
+
+
+# -- 12. Error messages that did not show what was given ---------------------------------------------------------
+def test_layered_kv_of_the_wrong_rank_names_T_not_minus_one():
+    """KVCache.append of a 3-d k into a 3-layer pool said "expected ... = (3, -1, 2, 8)": -1 tokens."""
+    cache = KVCache(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, num_pages=4)
+    seq = cache.create_sequence()
+    with pytest.raises(ValueError, match=re.escape("k: expected shape [num_layers, T, num_kv_heads, head_dim] = "
+                                                   "(3, T, 2, 8), got (1, 2, 8)")):
+        cache.append(seq, np.ones((1, 2, 8)), np.ones((1, 2, 8)))
+
