@@ -193,11 +193,12 @@ class Decoder:
         check_shape("q", q, self._q_shape, "[num_q_heads, head_dim]")
         check_shape("k", k, self._k_shape, "[num_kv_heads, head_dim]")
         check_shape("v", v, self._v_shape, "[num_kv_heads, head_dim_v]")
+        given = q, k, v                                # errors name the caller's values at the caller's [H, D] index
         q = cast_to_storage("q", q, self.q_dtype)
-        storage = self.config.dtype                    # errors index the caller's [H, D] arrays
+        storage = self.config.dtype
         k, v = cast_to_storage("k", k, storage), cast_to_storage("v", v, storage)
-        check_magnitude("q", q, self._q_limit, self.q_dtype)
-        self._check_kv_magnitude(k, v)
+        check_magnitude("q", given[0], self._q_limit, self.q_dtype)
+        self._check_kv_magnitude(*given[1:])
         return np.ascontiguousarray(q), k, v
 
     def _check_kv_magnitude(self, k, v) -> None:
@@ -207,16 +208,17 @@ class Decoder:
     def check_kv(self, k, v, num_tokens: int):
         """``k [T, num_kv_heads, head_dim]``, ``v [T, num_kv_heads, head_dim_v]`` validated (`KVCache.check_kv`,
         then the magnitude limits) and cast to the storage dtype."""
-        k, v = self.cache.check_kv(k, v, num_tokens, layered=False)
-        self._check_kv_magnitude(k, v)
+        given = np.asarray(k), np.asarray(v)
+        k, v = self.cache.check_kv(*given, num_tokens, layered=False)
+        self._check_kv_magnitude(*given)              # float arrays of the right shape by now; named as given
         return k, v
 
     def check_query(self, q, num_tokens: int) -> np.ndarray:
         """``q [T, num_q_heads, head_dim]`` validated (float, finite) and cast to the working precision."""
-        q = as_float_array("q", q)
+        given = q = as_float_array("q", q)
         check_shape("q", q, (num_tokens, self.num_q_heads, self.config.head_dim), "[T, num_q_heads, head_dim]")
         q = cast_to_storage("q", q, self.q_dtype)
-        check_magnitude("q", q, self._q_limit, self.q_dtype)
+        check_magnitude("q", given, self._q_limit, self.q_dtype)
         return np.ascontiguousarray(q)
 
 

@@ -410,3 +410,15 @@ def test_layered_kv_of_the_wrong_rank_names_T_not_minus_one():
                                                    "(3, T, 2, 8), got (1, 2, 8)")):
         cache.append(seq, np.ones((1, 2, 8)), np.ones((1, 2, 8)))
 
+
+@pytest.mark.parametrize("path", ["step", "extend"])
+def test_magnitude_errors_name_the_value_given(path):
+    """The magnitude check ran on the copy cast to the storage dtype: 1e15 was reported as 999999986991104.0."""
+    dec = Decoder(4, 2, 8, page_size=4, max_tokens=16)
+    k = np.ones((2, 8))
+    k[1, 2] = 1e15
+    call = (lambda: dec.step(np.ones((4, 8)), k, np.ones((2, 8)))) if path == "step" else \
+        (lambda: dec.extend(np.ones((1, 4, 8)), k[None], np.ones((1, 2, 8))))
+    with pytest.raises(ValueError, match=r"^k: expected \|x\| < 2\.81475e\+14 .*, got 1000000000000000\.0 at index "
+                                         + re.escape("(1, 2)" if path == "step" else "(0, 1, 2)") + "$"):
+        call()
