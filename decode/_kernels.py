@@ -308,44 +308,45 @@ def _qk(qs, kp, s0, s1, S, c0):
 @njit(cache=True, fastmath=_FAST)
 def _pv(S, c0, vp, s0, s1, acc):
     """acc[g, :] += sum_t S[g, c0 + t - s0] * vp[t, :] for t in [s0, s1).
-    Groups of >= 4 query heads: register blocks of 4 heads x 4 value rows (each value vector loaded once for four
-    heads); smaller groups: 8 value rows per head at a time (one accumulator load/store per 8 rows)."""
+    Groups of >= 4 query heads: register blocks of 4 heads x 4 value rows, heads outer so the four accumulator
+    rows stay in L1 while the chunk's value rows are swept (each value vector loaded once per four heads).
+    Smaller groups: 8 value rows per head at a time (one accumulator load/store per 8 rows)."""
     G = acc.shape[0]
     Dv = acc.shape[1]
-    t = s0
-    c = c0
+    g = 0
     if G >= 4:
-        while t + 4 <= s1:
-            v0 = vp[t]
-            v1 = vp[t + 1]
-            v2 = vp[t + 2]
-            v3 = vp[t + 3]
-            g = 0
-            while g + 4 <= G:
-                a0 = acc[g]
-                a1 = acc[g + 1]
-                a2 = acc[g + 2]
-                a3 = acc[g + 3]
-                w = S[g]
-                w00 = w[c]
-                w01 = w[c + 1]
-                w02 = w[c + 2]
-                w03 = w[c + 3]
-                w = S[g + 1]
-                w10 = w[c]
-                w11 = w[c + 1]
-                w12 = w[c + 2]
-                w13 = w[c + 3]
-                w = S[g + 2]
-                w20 = w[c]
-                w21 = w[c + 1]
-                w22 = w[c + 2]
-                w23 = w[c + 3]
-                w = S[g + 3]
-                w30 = w[c]
-                w31 = w[c + 1]
-                w32 = w[c + 2]
-                w33 = w[c + 3]
+        while g + 4 <= G:
+            a0 = acc[g]
+            a1 = acc[g + 1]
+            a2 = acc[g + 2]
+            a3 = acc[g + 3]
+            S0 = S[g]
+            S1 = S[g + 1]
+            S2 = S[g + 2]
+            S3 = S[g + 3]
+            t = s0
+            c = c0
+            while t + 4 <= s1:
+                v0 = vp[t]
+                v1 = vp[t + 1]
+                v2 = vp[t + 2]
+                v3 = vp[t + 3]
+                w00 = S0[c]
+                w01 = S0[c + 1]
+                w02 = S0[c + 2]
+                w03 = S0[c + 3]
+                w10 = S1[c]
+                w11 = S1[c + 1]
+                w12 = S1[c + 2]
+                w13 = S1[c + 3]
+                w20 = S2[c]
+                w21 = S2[c + 1]
+                w22 = S2[c + 2]
+                w23 = S2[c + 3]
+                w30 = S3[c]
+                w31 = S3[c + 1]
+                w32 = S3[c + 2]
+                w33 = S3[c + 3]
                 for d in range(Dv):
                     x0 = _ld(v0[d])
                     x1 = _ld(v1[d])
@@ -355,20 +356,28 @@ def _pv(S, c0, vp, s0, s1, acc):
                     a1[d] += (w10 * x0 + w11 * x1) + (w12 * x2 + w13 * x3)
                     a2[d] += (w20 * x0 + w21 * x1) + (w22 * x2 + w23 * x3)
                     a3[d] += (w30 * x0 + w31 * x1) + (w32 * x2 + w33 * x3)
-                g += 4
-            while g < G:
-                ag = acc[g]
-                w = S[g]
-                w00 = w[c]
-                w01 = w[c + 1]
-                w02 = w[c + 2]
-                w03 = w[c + 3]
+                t += 4
+                c += 4
+            while t < s1:
+                v0 = vp[t]
+                w00 = S0[c]
+                w10 = S1[c]
+                w20 = S2[c]
+                w30 = S3[c]
                 for d in range(Dv):
-                    ag[d] += (w00 * _ld(v0[d]) + w01 * _ld(v1[d])) + (w02 * _ld(v2[d]) + w03 * _ld(v3[d]))
-                g += 1
-            t += 4
-            c += 4
-    else:
+                    x0 = _ld(v0[d])
+                    a0[d] += w00 * x0
+                    a1[d] += w10 * x0
+                    a2[d] += w20 * x0
+                    a3[d] += w30 * x0
+                t += 1
+                c += 1
+            g += 4
+    while g < G:
+        ag = acc[g]
+        w = S[g]
+        t = s0
+        c = c0
         while t + 8 <= s1:
             v0 = vp[t]
             v1 = vp[t + 1]
@@ -378,31 +387,27 @@ def _pv(S, c0, vp, s0, s1, acc):
             v5 = vp[t + 5]
             v6 = vp[t + 6]
             v7 = vp[t + 7]
-            for g in range(G):
-                ag = acc[g]
-                w = S[g]
-                w0 = w[c]
-                w1 = w[c + 1]
-                w2 = w[c + 2]
-                w3 = w[c + 3]
-                w4 = w[c + 4]
-                w5 = w[c + 5]
-                w6 = w[c + 6]
-                w7 = w[c + 7]
-                for d in range(Dv):
-                    ag[d] += ((w0 * _ld(v0[d]) + w1 * _ld(v1[d])) + (w2 * _ld(v2[d]) + w3 * _ld(v3[d]))) + \
-                             ((w4 * _ld(v4[d]) + w5 * _ld(v5[d])) + (w6 * _ld(v6[d]) + w7 * _ld(v7[d])))
+            w0 = w[c]
+            w1 = w[c + 1]
+            w2 = w[c + 2]
+            w3 = w[c + 3]
+            w4 = w[c + 4]
+            w5 = w[c + 5]
+            w6 = w[c + 6]
+            w7 = w[c + 7]
+            for d in range(Dv):
+                ag[d] += ((w0 * _ld(v0[d]) + w1 * _ld(v1[d])) + (w2 * _ld(v2[d]) + w3 * _ld(v3[d]))) + \
+                         ((w4 * _ld(v4[d]) + w5 * _ld(v5[d])) + (w6 * _ld(v6[d]) + w7 * _ld(v7[d])))
             t += 8
             c += 8
-    while t < s1:
-        v0 = vp[t]
-        for g in range(G):
-            ag = acc[g]
-            w0 = S[g, c]
+        while t < s1:
+            v0 = vp[t]
+            w0 = w[c]
             for d in range(Dv):
                 ag[d] += w0 * _ld(v0[d])
-        t += 1
-        c += 1
+            t += 1
+            c += 1
+        g += 1
 
 
 @njit(cache=True, fastmath=_FAST)
@@ -471,11 +476,12 @@ def _attend(qs, k_pages, v_pages, pages, h, lo, hi, block, S, m, l, acc):
     Leaves the running max m[G], running sum l[G] and the unnormalised output acc[G, Dv].
 
     Keys are taken `block` at a time (block is a multiple of page_size, blocks aligned to absolute positions),
-    each page tile in chunks of ~4 KiB (4-16 rows). Software prefetch runs one phase ahead: while the scores of a
+    each page tile in chunks of 4-16 rows. Software prefetch runs one phase ahead: while the scores of a
     chunk are computed its V rows are requested, while a V chunk is applied the K rows at the same offset of the
     next block are requested (the hardware prefetchers do not follow several rows read in lockstep)."""
     P = k_pages.shape[2]
-    RC = min(16, max(4, 4096 // (k_pages.shape[3] * k_pages.itemsize)))  # rows per chunk: ~4 KiB of K
+    # rows per chunk: ~4 KiB of K for small groups (memory bound), 16 rows for groups >= 8 (compute bound)
+    RC = 16 if qs.shape[0] >= 8 else min(16, max(4, 4096 // (k_pages.shape[3] * k_pages.itemsize)))
     first = True
     b0 = lo
     while b0 < hi:
