@@ -53,6 +53,8 @@ def test_cli_prints_the_summary():
 @pytest.mark.parametrize("name, seed", [("float32", 0), ("float16-2-layers-window-5", 1)])
 def test_long_run(name, seed):
     """10**5 operations; resident memory flat after the warm-up (a tenth of the run)."""
-    summary = run(Settings(ops=100_000, seed=seed, **CONFIGS[name]))
+    settings = Settings(ops=100_000, seed=seed, **CONFIGS[name])
+    summary = run(settings)
+    print(f"\n[{name}]\n{summary.text(settings)}")                # figures for docs/reliability.md (pytest -s)
     check(summary, 100_000)
     assert summary.rss_end_mib - summary.rss_warm_mib < 16, summary

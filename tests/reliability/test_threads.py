@@ -206,5 +206,9 @@ def test_threads_on_the_parallel_kernel(monkeypatch, reduced_grid):
 
 @pytest.mark.slow
 def test_threads_long():
+    start = time.perf_counter()
     shared = run_threads(workers=6, steps=20_000, sample=16, num_pages=160, timeout=1800)
+    print(f"\n[threads] 6 workers + a forker + a checker: {shared.steps} tokens decoded, {shared.forks} forks "
+          f"({shared.fork_refusals} refused: busy or freed), {shared.full} CacheFullError, "
+          f"{time.perf_counter() - start:.1f} s")
     assert shared.steps >= 100_000
