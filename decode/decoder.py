@@ -73,6 +73,7 @@ class Decoder:
         self.scale = float(scale)
         self.q_dtype = np.dtype(np.float64 if cfg.dtype == np.float64 else np.float32)
         self._q_limit, self._kv_limit = magnitude_limits(self.q_dtype, cfg.head_dim, self.scale)
+        self._limits = {}                                        # (q, k, v dtypes) -> limits of the jitted check
         self._q_shape = (num_q_heads, cfg.head_dim)
         self._k_shape = (cfg.num_kv_heads, cfg.head_dim)
         self._v_shape = (cfg.num_kv_heads, cfg.head_dim_v)
@@ -106,8 +107,17 @@ class Decoder:
 
         The lean path: one jitted input check, the cache's single-token slot, the write and one kernel call."""
         self._single_layer("step")
-        with DecoderTransaction([self], {self.seq: 1}) as tx:
-            return tx.step(0, q, k, v)
+        q, k, v = self._check_token(q, k, v)
+        token = self.cache.begin_token(self.seq)
+        try:
+            out = self._attend_token(token, 0, q, k, v)
+            token.commit()
+        except BaseException:
+            token.rollback()
+            raise
+        if self.window:
+            self._release_after_commit()
+        return out
 
     def extend(self, q, k, v) -> np.ndarray:
         """Append T tokens and attend with T queries: ``q [T, num_q_heads, head_dim]``,
@@ -161,6 +171,30 @@ class Decoder:
         if self.window and self.length - self.window + 1 > self.cache.first_position(self.seq):
             self.cache.release_before(self.seq, self.length - self.window + 1)
 
+    def _release_after_commit(self) -> None:
+        """`_release_outside_window` once the tokens are committed: a failure now would report a failed call
+        that changed the cache, so it is absorbed; the release is atomic (nothing was given back) and the next
+        commit retries it."""
+        try:
+            self._release_outside_window()
+        except Exception:
+            pass
+
+    def _attend_token(self, token, layer: int, q, k, v) -> np.ndarray:
+        """Write one token's checked ``k``/``v`` into ``token``'s slot (`kvcache.TokenWrite`) in ``layer`` and
+        attend with ``q [num_q_heads, head_dim]`` over positions ``.. token.position`` -> ``[num_q_heads, head_dim_v]``."""
+        token.write(layer, k, v)
+        indices, position = token.pages(), token.position
+        first = max(0, position - self.window + 1) if self.window else 0
+        if indices[first // self.config.page_size] < 0:
+            raise_released(self.cache, self.seq, first, position)
+        self._indptr[1] = len(indices)
+        self._qpos[0] = position
+        out = np.empty(self._out_shape1, dtype=self.q_dtype)
+        _paged_decode_attention_unchecked(q[None], self._k_pages[layer], self._v_pages[layer], indices, self._indptr,
+                                          self._query_seq1, self._qpos, self.scale, self.window, out)
+        return out[0]
+
     # -- checks -------------------------------------------------------------------------------------------
     def _single_layer(self, what: str) -> None:
         if self.config.num_layers != 1:
@@ -181,12 +215,20 @@ class Decoder:
                 and k.shape == self._k_shape and v.shape == self._v_shape
                 and q.dtype in _JIT_FLOATS and k.dtype in _JIT_FLOATS and v.dtype in _JIT_FLOATS):
             return self._check_token_slowly(q, k, v)
-        kv_dtype = k.dtype if k.dtype.itemsize >= v.dtype.itemsize else v.dtype
-        if first_bad_input(q, k, v, min(overflow_limit(q.dtype, self.q_dtype), self._q_limit),
-                           min(overflow_limit(kv_dtype, storage), self._kv_limit)) >= 0:
+        limits = self._limits.get((q.dtype, k.dtype, v.dtype)) or self._input_limits(q.dtype, k.dtype, v.dtype)
+        if first_bad_input(q, k, v, *limits) >= 0:
             return self._check_token_slowly(q, k, v)                  # raises, naming the element
         return (q if q.dtype == self.q_dtype and q.flags.c_contiguous else np.ascontiguousarray(q, self.q_dtype),
                 k if k.dtype == storage else k.astype(storage), v if v.dtype == storage else v.astype(storage))
+
+    def _input_limits(self, q_dtype, k_dtype, v_dtype) -> tuple[float, float]:
+        """Magnitude limits of the jitted check for these input dtypes: finite after the cast (`overflow_limit`)
+        and within the compute dtype's safe range (`magnitude_limits`); memoised per dtype triple."""
+        kv_dtype = k_dtype if k_dtype.itemsize >= v_dtype.itemsize else v_dtype
+        limits = (min(overflow_limit(q_dtype, self.q_dtype), self._q_limit),
+                  min(overflow_limit(kv_dtype, self.config.dtype), self._kv_limit))
+        self._limits[(q_dtype, k_dtype, v_dtype)] = limits
+        return limits
 
     def _check_token_slowly(self, q, k, v):
         q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
@@ -257,12 +299,7 @@ class DecoderTransaction:
             self._tx.commit()
             if self.decoders[0].window:
                 for d in self.decoders:
-                    try:
-                        d._release_outside_window()
-                    except Exception:
-                        # The tokens are committed: failing now would report a failed call that changed the cache.
-                        # The release is atomic (nothing was given back) and the next commit retries it.
-                        pass
+                    d._release_after_commit()
 
     def rollback(self) -> None:
         self._open = False
@@ -296,17 +333,7 @@ class DecoderTransaction:
 
     def _step_one(self, layer, q, k, v) -> np.ndarray:
         dec = self.decoders[0]
-        q, k, v = dec._check_token(q, k, v)
-        self._write(layer, 0, k[None], v[None])
-        indices = self._pages(0)
-        if indices[max(0, self.start[0] - dec.window + 1) // self.cache.config.page_size if dec.window else 0] < 0:
-            self._released(0)
-        dec._indptr[1] = len(indices)
-        dec._qpos[0] = self.start[0]
-        out = np.empty(dec._out_shape1, dtype=dec.q_dtype)
-        _paged_decode_attention_unchecked(q[None], dec._k_pages[layer], dec._v_pages[layer], indices, dec._indptr,
-                                          dec._query_seq1, dec._qpos, dec.scale, dec.window, out)
-        return out[0]
+        return dec._attend_token(self._tx, layer, *dec._check_token(q, k, v))
 
     def _step_batch(self, layer, q, k, v) -> np.ndarray:
         count = len(self.decoders)
@@ -338,23 +365,15 @@ class DecoderTransaction:
     def _pages(self, index: int) -> np.ndarray:
         return self._tx.pages() if self._single_token else self._tx.pages(self.decoders[index].seq)
 
-    def _released(self, index: int):
-        """Raise: decoder ``index``'s first query would read a page given back by `KVCache.release_before`
-        (a -1 in the page table; the unchecked kernel would index the pool with it)."""
-        dec, position = self.decoders[index], self.start[index]
-        lo = max(0, position - dec.window + 1) if dec.window else 0
-        raise ValueError(f"seq: expected K/V held for positions {lo}..{position} (read by the query at position "
-                         f"{position}), got positions < {self.cache.first_position(dec.seq)} released "
-                         f"(KVCache.release_before)")
-
     def _attend(self, layer, q, query_seq, query_pos) -> np.ndarray:
         """One kernel call: ``q [num_queries, num_q_heads, head_dim]`` over the decoders' page tables."""
         dec = self.decoders[0]
         tables = [self._pages(i) for i in range(len(self.decoders))]
         size = self.cache.config.page_size
         for i, table in enumerate(tables):        # every decoder's first query reads from lo on (if it has one)
-            if len(q) and table[max(0, self.start[i] - dec.window + 1) // size if dec.window else 0] < 0:
-                self._released(i)
+            first = max(0, self.start[i] - dec.window + 1) if dec.window else 0
+            if len(q) and table[first // size] < 0:
+                raise_released(self.cache, self.decoders[i].seq, first, self.start[i])
         if len(tables) == 1:
             indices, indptr = tables[0], np.array([0, len(tables[0])], dtype=np.int64)
         else:
@@ -365,6 +384,13 @@ class DecoderTransaction:
         _paged_decode_attention_unchecked(q, dec._k_pages[layer], dec._v_pages[layer], indices, indptr,
                                           query_seq, query_pos, dec.scale, dec.window, out)
         return out
+
+
+def raise_released(cache: KVCache, seq: int, first: int, position: int):
+    """Raise: the query at ``position`` would read positions ``first ..`` of which some were given back by
+    `KVCache.release_before` (a -1 in the page table; the unchecked kernel would index the pool with it)."""
+    raise ValueError(f"seq: expected K/V held for positions {first}..{position} (read by the query at position "
+                     f"{position}), got positions < {cache.first_position(seq)} released (KVCache.release_before)")
 
 
 def batch_transaction(decoders) -> DecoderTransaction:

@@ -199,7 +199,7 @@ def _shape_case(entry, array, shape, message, error=ValueError):
 
 
 for _array, _shape, _msg in [
-        ("q", (8,), r"^q: expected shape \[T, num_q_heads, head_dim\] = \(1, 4, 8\), got \(8,\)$"),
+        ("q", (8,), r"^q: expected shape \[num_q_heads, head_dim\] = \(4, 8\), got \(8,\)$"),
         ("q", (3, 8), r"^q: expected shape \[num_q_heads, head_dim\] = \(4, 8\), got \(3, 8\)$"),
         ("q", (4, 7), r"^q: expected shape \[num_q_heads, head_dim\] = \(4, 8\), got \(4, 7\)$"),
         ("k", (1, 2, 8), r"^k: expected shape \[num_kv_heads, head_dim\] = \(2, 8\), got \(1, 2, 8\)$"),
