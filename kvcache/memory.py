@@ -208,6 +208,38 @@ def _build_and_fill(shape: dict, measure: bool) -> dict:
     return result
 
 
+def _peak_rss() -> int:
+    """The process's resident high-water mark (VmHWM, Linux); falls back to ru_maxrss."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _naive_concat_peak(shape: dict) -> dict:
+    """The naive cache of the source document holding the same tokens: per layer, K and V arrays
+    ``[batch * (tokens - 1), kv_heads, head_dim]`` (touched), then one more token appended to every layer by
+    ``np.concatenate`` — the old and the new array of a layer are alive together while it copies. Returns the
+    RSS increase at the peak (VmHWM) and at the end. Runs in its own fresh subprocess."""
+    layers, kv, d, dtype = shape["layers"], shape["kv_heads"], shape["head_dim"], np.dtype(shape["dtype"])
+    rows = shape["batch"] * shape["tokens"]
+    new_token = np.full((1, kv, d), 0.5, dtype=dtype)
+    _trim_heap()
+    base = _rss()
+    keys = [np.full((rows - 1, kv, d), 0.5, dtype=dtype) for _ in range(layers)]
+    values = [np.full((rows - 1, kv, d), 0.5, dtype=dtype) for _ in range(layers)]
+    before = _rss() - base
+    for layer in range(layers):                          # one decode step of the naive cache
+        keys[layer] = np.concatenate([keys[layer], new_token])
+        values[layer] = np.concatenate([values[layer], new_token])
+    return {"naive_before_step": before, "naive_peak": _peak_rss() - base, "naive_end": _rss() - base}
+
+
 def _measure_in_subprocess(shape: dict, timeout: float) -> dict:
     """Run `_build_and_fill` in a fresh interpreter (isolated RSS) and return its JSON result."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,7 +265,7 @@ def _check_fits(shape: dict, pool_bytes: int) -> None:
 
 
 def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000, head_dim=128, dtype="float16",
-                  batch=1, page_size=16, measure=True, timeout=600.0) -> list[dict]:
+                  batch=1, page_size=16, measure=True, timeout=600.0, naive_peak=True) -> list[dict]:
     """One row per entry of ``kv_heads``: the formula, what a `KVCache` sized exactly for ``batch`` sequences
     of ``tokens`` tokens allocates and uses, and (``measure``) its resident memory measured with psutil in a
     fresh subprocess: right after allocation (``rss_untouched_bytes``: ~0, numpy's zeros are lazily backed),
@@ -242,6 +274,10 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
     ``pool_resident_bytes`` / ``pool_huge_page_bytes`` are the resident bytes of the pool's own mappings
     (/proc/self/smaps) and how many of them are transparent huge pages: the RSS increase minus the pool is
     what the filling process itself kept (heap, Python objects).
+
+    With ``measure`` and ``naive_peak``, ``naive_peak_bytes`` is the resident peak of the source document's
+    naive cache holding the same tokens (per-layer K/V arrays grown by ``np.concatenate``) during one more
+    decode step, measured in its own subprocess: the old and the new array of a layer are alive together.
 
     Without ``measure`` the accounting comes from a cache of the same page layout with one head of size 1
     (page tables, ref counts and free list depend only on pages, not on head sizes) and the RSS fields are
@@ -276,8 +312,11 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
     for shape in shapes:
         kv = shape["kv_heads"]
         pool_bytes = num_pages * page_size * layers * kv * 2 * head_dim * storage.itemsize
+        naive = {}
         if measure:
             result = _measure_in_subprocess(shape, timeout)
+            if naive_peak and tokens:
+                naive = _measure_in_subprocess(dict(shape, naive=True), timeout)
         else:                                            # same pages, heads of size 1: accounting only
             twin = dict(shape, layers=1, kv_heads=1, head_dim=1, chunk=max(shape["chunk"], tokens // 1000))
             result = _build_and_fill(twin, measure=False)
@@ -303,6 +342,8 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
             "pool_resident_bytes": pool[0],
             "pool_huge_page_bytes": pool[1],
             "measured_over_formula": (touched / formula) if (touched is not None and formula) else None,
+            "naive_peak_bytes": naive.get("naive_peak"),
+            "naive_peak_over_formula": naive["naive_peak"] / formula if naive and formula else None,
             "measured": bool(measure),
         })
     return rows
@@ -335,6 +376,9 @@ COLUMNS = [
     ("pool resident", lambda r: _size(r["pool_resident_bytes"])),
     ("in huge pages", lambda r: _size(r["pool_huge_page_bytes"])),
     ("measured/formula", lambda r: "-" if r["measured_over_formula"] is None else f"{r['measured_over_formula']:.4f}"),
+    ("naive peak", lambda r: _size(r.get("naive_peak_bytes"))),
+    ("naive/formula", lambda r: "-" if r.get("naive_peak_over_formula") is None
+     else f"{r['naive_peak_over_formula']:.4f}"),
 ]
 
 
@@ -354,4 +398,5 @@ def format_table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":                                # the measuring subprocess: one shape in, JSON out
-    print(json.dumps(_build_and_fill(json.loads(sys.argv[1]), measure=True)))
+    _shape = json.loads(sys.argv[1])
+    print(json.dumps(_naive_concat_peak(_shape) if _shape.get("naive") else _build_and_fill(_shape, measure=True)))

@@ -206,3 +206,12 @@ def test_small_real_measurement_matches_formula():
     assert row["rss_untouched_bytes"] < 0.01 * row["formula_bytes"]          # zeros are lazily backed
     assert row["rss_one_token_bytes"] < 0.5 * row["formula_bytes"]
     assert "measured/formula" in format_table([row])
+    # the naive concat cache of the same tokens: during a step one layer's old and new K (or V) are both alive,
+    # so its peak is about formula * (1 + 1 / (2 * layers)) = 1.125 here; the paged pool never copies
+    assert row["naive_peak_bytes"] is not None and "naive/formula" in format_table([row])
+    assert 1.06 <= row["naive_peak_over_formula"] <= 1.25, row
+
+
+def test_naive_peak_can_be_skipped_and_is_absent_without_measuring():
+    [row] = memory_report(layers=1, num_q_heads=2, kv_heads=2, tokens=4, head_dim=4, measure=False)
+    assert row["naive_peak_bytes"] is None and row["naive_peak_over_formula"] is None
