@@ -145,6 +145,191 @@ if _JIT:
         return None
 
 
+# --------------------------------------------------------------------------------------------------------------
+# vector micro-kernels written directly in LLVM IR (the register blocks LLVM cannot derive from scalar loops:
+# several dot products reduced together by one butterfly of shuffles instead of one horizontal sum each, and
+# PV accumulators kept in registers over a whole chunk of value rows). Each has a plain-NumPy twin for
+# NUMBA_DISABLE_JIT. Vectors are 16 float32 or 8 float64 lanes; `n` (a multiple of 32) elements are processed,
+# the callers handle the tail.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _row_f(x):
+    """A storage row as compute values (NumPy; used by the no-JIT twins)."""
+    return x.view(np.float16).astype(np.float32) if x.dtype == np.uint16 else x
+
+
+def _dot44(qs, g, kp, t, n):
+    """16 dot products qs[g + a, :n] . kp[t + b, :n] (a, b < 4), a-major."""
+    return tuple(np.dot(qs[g + a, :n], _row_f(kp[t + b, :n])) for a in range(4) for b in range(4))
+
+
+def _dot14(qs, g, kp, t, n):
+    """4 dot products qs[g, :n] . kp[t + b, :n] (b < 4)."""
+    return tuple(np.dot(qs[g, :n], _row_f(kp[t + b, :n])) for b in range(4))
+
+
+def _pv4(S, g, c, vp, t0, t1, acc, n):
+    """acc[g + a, :n] += sum_t S[g + a, c + t - t0] * vp[t, :n] over t in [t0, t1), a < 4."""
+    V = _row_f(vp[t0:t1, :n])
+    for a in range(4):
+        acc[g + a, :n] += S[g + a, c:c + t1 - t0] @ V
+
+
+if _JIT:
+    from numba.core import cgutils as _cg
+
+    _I32 = _ir.IntType(32)
+    _I64 = _ir.IntType(64)
+
+    def _lanes(nbty):
+        return 8 if nbty == types.float64 else 16
+
+    def _row(context, builder, aryty, arr, row):
+        """Pointer to element [row, 0] of a C-contiguous 2-D array."""
+        ary = context.make_array(aryty)(context, builder, arr)
+        cols = _cg.unpack_tuple(builder, ary.shape, 2)[1]
+        return builder.gep(ary.data, [builder.mul(row, cols)])
+
+    def _vload(context, builder, ptr, storage, lanes, vt):
+        """<lanes x compute> from ptr (storage element type); float16 bits are widened exactly."""
+        ety = context.get_value_type(storage)
+        x = builder.load(builder.bitcast(ptr, _ir.VectorType(ety, lanes).as_pointer()), align=storage.bitwidth // 8)
+        if storage == types.uint16:
+            x = builder.fpext(builder.bitcast(x, _ir.VectorType(_ir.HalfType(), lanes)), vt)
+        return x
+
+    def _fma(builder, vt, lanes):
+        name = "llvm.fma.v%d%s" % (lanes, "f64" if lanes == 8 else "f32")
+        return _cg.get_or_insert_function(builder.module, _ir.FunctionType(vt, [vt, vt, vt]), name)
+
+    def _reduce_many(builder, accs, lanes):
+        """Sums of n accumulators (<lanes x T>, n a power of two) by a butterfly of shuffles: each stage halves
+        the lanes per partial sum and doubles the sums per vector (n - 1 shuffle pairs instead of n reductions)."""
+        vs = list(accs)
+        labels = [[i] * lanes for i in range(len(vs))]
+        width = lanes
+        while len(vs) > 1 and width > 1:
+            half = width // 2
+            nv, nl = [], []
+            for (a, la), (b, lb) in zip(zip(vs[0::2], labels[0::2]), zip(vs[1::2], labels[1::2])):
+                lo, hi, lab = [], [], []
+                for blk in range(0, lanes, width):
+                    lo += [blk + i for i in range(half)] + [lanes + blk + i for i in range(half)]
+                    hi += [blk + half + i for i in range(half)] + [lanes + blk + half + i for i in range(half)]
+                    lab += [la[blk]] * half + [lb[blk]] * half
+                nv.append(builder.fadd(builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(_I32, lanes), lo)),
+                                       builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(_I32, lanes), hi))))
+                nl.append(lab)
+            vs, labels, width = nv, nl, half
+        out = [None] * len(accs)
+        for v, lab in zip(vs, labels):
+            cur = lanes
+            w = width
+            while w > 1:
+                half = w // 2
+                lo, hi, nlab = [], [], []
+                for blk in range(0, cur, w):
+                    lo += [blk + i for i in range(half)]
+                    hi += [blk + half + i for i in range(half)]
+                    nlab += [lab[blk]] * half
+                v = builder.fadd(builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_I32, len(lo)), lo)),
+                                 builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_I32, len(hi)), hi)))
+                lab, cur, w = nlab, len(lo), half
+            for lane, k in enumerate(lab):
+                out[k] = builder.extract_element(v, _ir.Constant(_I32, lane))
+        return out
+
+    def _make_dot(ng, nt):
+        def typer(typingctx, qs, g, kp, t, n):
+            if not (isinstance(qs, types.Array) and isinstance(kp, types.Array) and qs.ndim == 2 and kp.ndim == 2
+                    and isinstance(qs.dtype, types.Float)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                qty, _, kty, _, _ = sig.args
+                lanes = _lanes(qty.dtype)
+                ft = context.get_value_type(qty.dtype)
+                vt = _ir.VectorType(ft, lanes)
+                g_, t_, n_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 3, 4))
+                qrows = [_row(context, builder, qty, args[0], builder.add(g_, _ir.Constant(_I64, a))) for a in range(ng)]
+                krows = [_row(context, builder, kty, args[2], builder.add(t_, _ir.Constant(_I64, b))) for b in range(nt)]
+                slots = [_cg.alloca_once_value(builder, _ir.Constant(vt, None)) for _ in range(ng * nt)]
+                fma = _fma(builder, vt, lanes)
+                with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), n_, _ir.Constant(_I64, lanes)) as (i, _):
+                    qv = [_vload(context, builder, builder.gep(r, [i]), qty.dtype, lanes, vt) for r in qrows]
+                    kv = [_vload(context, builder, builder.gep(r, [i]), kty.dtype, lanes, vt) for r in krows]
+                    for a in range(ng):
+                        for b in range(nt):
+                            sl = slots[a * nt + b]
+                            builder.store(builder.call(fma, [qv[a], kv[b], builder.load(sl)]), sl)
+                sums = _reduce_many(builder, [builder.load(sl) for sl in slots], lanes)
+                return context.make_tuple(builder, sig.return_type, sums)
+
+            return types.UniTuple(qs.dtype, ng * nt)(qs, g, kp, t, n), codegen
+        return intrinsic(typer)
+
+    def _make_pv(ng, nvec):
+        def typer(typingctx, S, g, c, vp, t0, t1, acc, n):
+            if not (isinstance(S, types.Array) and isinstance(vp, types.Array) and isinstance(acc, types.Array)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                sty, _, _, vty, _, _, aty, _ = sig.args
+                lanes = _lanes(aty.dtype)
+                ft = context.get_value_type(aty.dtype)
+                vt = _ir.VectorType(ft, lanes)
+                g_, c_, t0_, t1_, n_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4, 5, 7))
+                arows = [_row(context, builder, aty, args[6], builder.add(g_, _ir.Constant(_I64, a))) for a in range(ng)]
+                srows = [builder.gep(_row(context, builder, sty, args[0], builder.add(g_, _ir.Constant(_I64, a))),
+                                     [builder.sub(c_, t0_)]) for a in range(ng)]
+                vary = context.make_array(vty)(context, builder, args[3])
+                vcols = _cg.unpack_tuple(builder, vary.shape, 2)[1]
+                slots = [_cg.alloca_once(builder, vt) for _ in range(ng * nvec)]
+                fma = _fma(builder, vt, lanes)
+                strip = lanes * nvec
+                with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), n_, _ir.Constant(_I64, strip)) as (d, _):
+                    for a in range(ng):
+                        for k in range(nvec):
+                            p = builder.gep(arows[a], [builder.add(d, _ir.Constant(_I64, k * lanes))])
+                            builder.store(builder.load(builder.bitcast(p, vt.as_pointer()), align=4), slots[a * nvec + k])
+                    with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(_I64, 1)) as (t, _):
+                        vrow = builder.gep(vary.data, [builder.add(builder.mul(t, vcols), d)])
+                        vv = [_vload(context, builder, builder.gep(vrow, [_ir.Constant(_I64, k * lanes)]), vty.dtype,
+                                     lanes, vt) for k in range(nvec)]
+                        for a in range(ng):
+                            w = builder.load(builder.gep(srows[a], [t]))
+                            wv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), w, _ir.Constant(_I32, 0)),
+                                                        _ir.Constant(vt, None), _ir.Constant(_ir.VectorType(_I32, lanes), [0] * lanes))
+                            for k in range(nvec):
+                                sl = slots[a * nvec + k]
+                                builder.store(builder.call(fma, [wv, vv[k], builder.load(sl)]), sl)
+                    for a in range(ng):
+                        for k in range(nvec):
+                            p = builder.gep(arows[a], [builder.add(d, _ir.Constant(_I64, k * lanes))])
+                            builder.store(builder.load(slots[a * nvec + k]), builder.bitcast(p, vt.as_pointer()), align=4)
+                return context.get_dummy_value()
+
+            return types.void(S, g, c, vp, t0, t1, acc, n), codegen
+        return intrinsic(typer)
+
+    _dot44_ir = _make_dot(4, 4)
+    _dot14_ir = _make_dot(1, 4)
+    _pv4_ir = _make_pv(4, 2)
+
+    @overload(_dot44)
+    def _dot44_ov(qs, g, kp, t, n):
+        return lambda qs, g, kp, t, n: _dot44_ir(qs, g, kp, t, n)
+
+    @overload(_dot14)
+    def _dot14_ov(qs, g, kp, t, n):
+        return lambda qs, g, kp, t, n: _dot14_ir(qs, g, kp, t, n)
+
+    @overload(_pv4)
+    def _pv4_ov(S, g, c, vp, t0, t1, acc, n):
+        return lambda S, g, c, vp, t0, t1, acc, n: _pv4_ir(S, g, c, vp, t0, t1, acc, n)
+
+
 _LOG2E_F = np.float32(1.44269504088896341)
 _LN2_HI_F = np.float32(0.693359375)
 _LN2_LO_F = np.float32(-2.12194440e-4)
@@ -203,176 +388,121 @@ if _JIT:
 @njit(cache=True, fastmath=_FAST)
 def _qk(qs, kp, s0, s1, S, c0):
     """S[g, c0 + t - s0] = qs[g] . kp[t] for t in [s0, s1).  qs: [G, D] compute dtype, kp: [page_size, D] storage.
-    Register blocks: 4 query heads x 2 keys, then 1 x 4; each key row is loaded once per block."""
+    Blocks of 4 query heads x 4 keys (groups >= 4) or 1 x 4 (`_dot44` / `_dot14`: each key row loaded once per
+    block, the 16 or 4 dot products reduced together); leftover keys one at a time; head_dim beyond the last
+    multiple of 32 in a final pass."""
     G = qs.shape[0]
     D = qs.shape[1]
+    n = D - D % 32
     z = qs[0, 0] - qs[0, 0]
     g = 0
     while g + 4 <= G:
-        q0 = qs[g]
-        q1 = qs[g + 1]
-        q2 = qs[g + 2]
-        q3 = qs[g + 3]
         S0 = S[g]
         S1 = S[g + 1]
         S2 = S[g + 2]
         S3 = S[g + 3]
         t = s0
         c = c0
-        while t + 2 <= s1:
-            k0 = kp[t]
-            k1 = kp[t + 1]
-            a00 = z
-            a01 = z
-            a10 = z
-            a11 = z
-            a20 = z
-            a21 = z
-            a30 = z
-            a31 = z
-            for d in range(D):
-                y0 = _ld(k0[d])
-                y1 = _ld(k1[d])
-                a00 += q0[d] * y0
-                a01 += q0[d] * y1
-                a10 += q1[d] * y0
-                a11 += q1[d] * y1
-                a20 += q2[d] * y0
-                a21 += q2[d] * y1
-                a30 += q3[d] * y0
-                a31 += q3[d] * y1
-            S0[c] = a00
-            S0[c + 1] = a01
-            S1[c] = a10
-            S1[c + 1] = a11
-            S2[c] = a20
-            S2[c + 1] = a21
-            S3[c] = a30
-            S3[c + 1] = a31
-            t += 2
-            c += 2
-        if t < s1:
-            k0 = kp[t]
-            a00 = z
-            a10 = z
-            a20 = z
-            a30 = z
-            for d in range(D):
-                y0 = _ld(k0[d])
-                a00 += q0[d] * y0
-                a10 += q1[d] * y0
-                a20 += q2[d] * y0
-                a30 += q3[d] * y0
-            S0[c] = a00
-            S1[c] = a10
-            S2[c] = a20
-            S3[c] = a30
-        g += 4
-    while g < G:
-        q0 = qs[g]
-        S0 = S[g]
-        t = s0
-        c = c0
         while t + 4 <= s1:
-            k0 = kp[t]
-            k1 = kp[t + 1]
-            k2 = kp[t + 2]
-            k3 = kp[t + 3]
-            a00 = z
-            a01 = z
-            a02 = z
-            a03 = z
-            for d in range(D):
-                x = q0[d]
-                a00 += x * _ld(k0[d])
-                a01 += x * _ld(k1[d])
-                a02 += x * _ld(k2[d])
-                a03 += x * _ld(k3[d])
-            S0[c] = a00
-            S0[c + 1] = a01
-            S0[c + 2] = a02
-            S0[c + 3] = a03
+            r = _dot44(qs, g, kp, t, n)
+            S0[c] = r[0]
+            S0[c + 1] = r[1]
+            S0[c + 2] = r[2]
+            S0[c + 3] = r[3]
+            S1[c] = r[4]
+            S1[c + 1] = r[5]
+            S1[c + 2] = r[6]
+            S1[c + 3] = r[7]
+            S2[c] = r[8]
+            S2[c + 1] = r[9]
+            S2[c + 2] = r[10]
+            S2[c + 3] = r[11]
+            S3[c] = r[12]
+            S3[c + 1] = r[13]
+            S3[c + 2] = r[14]
+            S3[c + 3] = r[15]
             t += 4
             c += 4
         while t < s1:
             k0 = kp[t]
-            a00 = z
-            for d in range(D):
-                a00 += q0[d] * _ld(k0[d])
-            S0[c] = a00
+            q0 = qs[g]
+            q1 = qs[g + 1]
+            q2 = qs[g + 2]
+            q3 = qs[g + 3]
+            a0 = z
+            a1 = z
+            a2 = z
+            a3 = z
+            for d in range(n):
+                y = _ld(k0[d])
+                a0 += q0[d] * y
+                a1 += q1[d] * y
+                a2 += q2[d] * y
+                a3 += q3[d] * y
+            S0[c] = a0
+            S1[c] = a1
+            S2[c] = a2
+            S3[c] = a3
+            t += 1
+            c += 1
+        g += 4
+    while g < G:
+        Sg = S[g]
+        q0 = qs[g]
+        t = s0
+        c = c0
+        while t + 4 <= s1:
+            r = _dot14(qs, g, kp, t, n)
+            Sg[c] = r[0]
+            Sg[c + 1] = r[1]
+            Sg[c + 2] = r[2]
+            Sg[c + 3] = r[3]
+            t += 4
+            c += 4
+        while t < s1:
+            k0 = kp[t]
+            a0 = z
+            for d in range(n):
+                a0 += q0[d] * _ld(k0[d])
+            Sg[c] = a0
             t += 1
             c += 1
         g += 1
+    if n < D:
+        for g in range(G):
+            q0 = qs[g]
+            Sg = S[g]
+            for t in range(s0, s1):
+                k0 = kp[t]
+                a0 = z
+                for d in range(n, D):
+                    a0 += q0[d] * _ld(k0[d])
+                Sg[c0 + t - s0] += a0
 
 
 @njit(cache=True, fastmath=_FAST)
 def _pv(S, c0, vp, s0, s1, acc):
     """acc[g, :] += sum_t S[g, c0 + t - s0] * vp[t, :] for t in [s0, s1).
-    Groups of >= 4 query heads: register blocks of 4 heads x 4 value rows, heads outer so the four accumulator
-    rows stay in L1 while the chunk's value rows are swept (each value vector loaded once per four heads).
-    Smaller groups: 8 value rows per head at a time (one accumulator load/store per 8 rows)."""
+    Groups of 4 query heads: `_pv4` keeps 4 heads x 32 accumulator lanes in registers over all the rows of the
+    chunk (each value vector loaded once per four heads). Other heads: 8 value rows at a time (one accumulator
+    load/store per 8 rows). head_dim_v beyond the last multiple of 32 in a final pass."""
     G = acc.shape[0]
     Dv = acc.shape[1]
+    n = Dv - Dv % 32
     g = 0
-    if G >= 4:
+    if n > 0:
         while g + 4 <= G:
-            a0 = acc[g]
-            a1 = acc[g + 1]
-            a2 = acc[g + 2]
-            a3 = acc[g + 3]
-            S0 = S[g]
-            S1 = S[g + 1]
-            S2 = S[g + 2]
-            S3 = S[g + 3]
-            t = s0
-            c = c0
-            while t + 4 <= s1:
-                v0 = vp[t]
-                v1 = vp[t + 1]
-                v2 = vp[t + 2]
-                v3 = vp[t + 3]
-                w00 = S0[c]
-                w01 = S0[c + 1]
-                w02 = S0[c + 2]
-                w03 = S0[c + 3]
-                w10 = S1[c]
-                w11 = S1[c + 1]
-                w12 = S1[c + 2]
-                w13 = S1[c + 3]
-                w20 = S2[c]
-                w21 = S2[c + 1]
-                w22 = S2[c + 2]
-                w23 = S2[c + 3]
-                w30 = S3[c]
-                w31 = S3[c + 1]
-                w32 = S3[c + 2]
-                w33 = S3[c + 3]
-                for d in range(Dv):
-                    x0 = _ld(v0[d])
-                    x1 = _ld(v1[d])
-                    x2 = _ld(v2[d])
-                    x3 = _ld(v3[d])
-                    a0[d] += (w00 * x0 + w01 * x1) + (w02 * x2 + w03 * x3)
-                    a1[d] += (w10 * x0 + w11 * x1) + (w12 * x2 + w13 * x3)
-                    a2[d] += (w20 * x0 + w21 * x1) + (w22 * x2 + w23 * x3)
-                    a3[d] += (w30 * x0 + w31 * x1) + (w32 * x2 + w33 * x3)
-                t += 4
-                c += 4
-            while t < s1:
-                v0 = vp[t]
-                w00 = S0[c]
-                w10 = S1[c]
-                w20 = S2[c]
-                w30 = S3[c]
-                for d in range(Dv):
-                    x0 = _ld(v0[d])
-                    a0[d] += w00 * x0
-                    a1[d] += w10 * x0
-                    a2[d] += w20 * x0
-                    a3[d] += w30 * x0
-                t += 1
-                c += 1
+            _pv4(S, g, c0, vp, s0, s1, acc, n)
             g += 4
+        if n < Dv:
+            for h in range(g):
+                ah = acc[h]
+                w = S[h]
+                for t in range(s0, s1):
+                    v0 = vp[t]
+                    w0 = w[c0 + t - s0]
+                    for d in range(n, Dv):
+                        ah[d] += w0 * _ld(v0[d])
     while g < G:
         ag = acc[g]
         w = S[g]

@@ -122,8 +122,9 @@ def boundary_lengths(P):
 
 def _grid(reduced):
     """(head_dim, group, page_size, dtype): the product for float32, a diagonal for float16 / float64."""
+    tails = [(33, 4, 3, F32), (32, 1, 16, F16), (40, 4, 5, F64)]   # vector part + scalar tail of head_dim
     if reduced:
-        return [(3, 1, 3, F32), (1, 4, 1, F16), (4, 2, 16, F64), (3, 8, 3, F32)]
+        return [(3, 1, 3, F32), (1, 4, 1, F16), (4, 2, 16, F64), (3, 8, 3, F32)] + tails
     dims, groups, pages = (1, 3, 64, 128), (1, 4, 8, 32), (1, 3, 16, 64)
     grid = [(d, g, p, F32) for d, g, p in itertools.product(dims, groups, pages)]
     for n, (d, g, p) in enumerate(itertools.product(dims, groups, pages)):
@@ -131,7 +132,7 @@ def _grid(reduced):
             grid.append((d, g, p, F16))
         if n % 5 == 0:
             grid.append((d, g, p, F64))
-    return grid
+    return grid + tails + [(48, 8, 16, F16), (96, 32, 64, F32)]
 
 
 def pytest_generate_tests(metafunc):
