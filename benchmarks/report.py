@@ -493,8 +493,11 @@ def memory_series(rows) -> tuple[list, dict]:
         if "kv_heads" in r:
             lab += f" ({r['kv_heads']} kv)" if lab else f"{r['kv_heads']} kv heads"
         labels.append(lab)
-    cols = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and ("bytes" in k) and any(w in k for w in ("formula", "measured", "allocated", "used", "rss"))]
+    preferred = ["formula_bytes", "allocated_bytes", "rss_touched_bytes", "pool_resident_bytes", "naive_peak_bytes"]
+    cols = [k for k in preferred if k in rows[0]]
+    if len(cols) < 2:
+        cols = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                and ("bytes" in k) and any(w in k for w in ("formula", "measured", "allocated", "used", "rss", "peak"))]
     return labels, {c: [r.get(c) for r in rows] for c in cols}
 
 
