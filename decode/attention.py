@@ -27,7 +27,7 @@ from . import _kernels
 
 # Dispatch thresholds (measured, see docs/kernel.md)
 SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
-MIN_SPLIT_TOKENS = 64        # flash-decoding splits are never shorter than this (then rounded to whole blocks)
+MIN_SPLIT_TOKENS = 256       # flash-decoding splits are never shorter than this (then rounded to whole blocks)
 
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -215,14 +215,17 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
     _, num_kv_heads, page_size, head_dim_v = v_pages.shape
     G = num_q_heads // num_kv_heads
     block = page_size * max(1, 64 // page_size)
-    if mode == 1 or (mode == 0 and work * num_q_heads * (head_dim + head_dim_v) < SERIAL_WORK):
+    serial = mode == 1 or (mode == 0 and work * num_q_heads * (head_dim + head_dim_v) < SERIAL_WORK)
+    if not serial:
+        nthreads = numba.get_num_threads()
+        split = split_tokens if split_tokens > 0 else max(MIN_SPLIT_TOKENS, -(-work * num_kv_heads // (4 * nthreads)))
+        split = -(-split // block) * block
+        serial = mode == 0 and (nthreads < 2 or (nq * num_kv_heads == 1 and work <= split))   # a single unit
+    if serial:
         ws, wacc = _empty_workspace(q.dtype, G, head_dim_v)
         _kernels.decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window,
                               scale, out, _NO_UNITS, 0, nq * num_kv_heads, block, ws, ws, wacc)
         return out
-    nthreads = numba.get_num_threads()
-    split = split_tokens if split_tokens > 0 else max(MIN_SPLIT_TOKENS, -(-work * num_kv_heads // (4 * nthreads)))
-    split = -(-split // block) * block
     units, bounds, items, num_slots = _kernels.plan_units(query_pos, window, num_kv_heads, split, nthreads)
     return _kernels.decode_parallel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
                                     window, out, units, bounds, items, num_slots, block)
