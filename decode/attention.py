@@ -1,4 +1,5 @@
-"""Paged single-query ("decode") attention: the validating wrapper around `decode._kernels.paged_decode`.
+"""Paged single-query ("decode") attention: the validating wrapper around the kernels in `decode._kernels`
+(`decode_units` on the calling thread, `plan_units` + `decode_parallel` on all threads; see docs/kernel.md).
 
     out = paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
                                  scale=None, window=0, out=None)
@@ -17,6 +18,9 @@ Shapes (named dimensions):
 
 Query head h uses kv head h // (num_q_heads // num_kv_heads) (GQA / MQA). Scores and accumulation are float32
 for float16/float32 storage (q is cast to float32) and float64 for float64 storage.
+
+`_paged_decode_attention_unchecked` (same arguments, positional scale / window / out) skips validation: for
+callers that validated their inputs already (the Decoder).
 """
 import math
 
