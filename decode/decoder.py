@@ -208,9 +208,8 @@ class Decoder:
         return shape[0]
 
     def _check_token(self, q, k, v):
-        """One token's q/k/v checked (shape, float dtype, finite; k/v finite after the cast to storage) and
-        converted: q to the working precision, k/v to the storage dtype."""
-        storage = self.config.dtype
+        """One token's q/k/v checked (shape, float dtype, finite; k/v finite after the cast to storage; magnitudes
+        within the compute dtype's safe range); q converted to the working precision."""
         if not (type(q) is type(k) is type(v) is np.ndarray and q.shape == self._q_shape
                 and k.shape == self._k_shape and v.shape == self._v_shape
                 and q.dtype in _JIT_FLOATS and k.dtype in _JIT_FLOATS and v.dtype in _JIT_FLOATS):
@@ -218,8 +217,8 @@ class Decoder:
         limits = self._limits.get((q.dtype, k.dtype, v.dtype)) or self._input_limits(q.dtype, k.dtype, v.dtype)
         if first_bad_input(q, k, v, *limits) >= 0:
             return self._check_token_slowly(q, k, v)                  # raises, naming the element
-        return (q if q.dtype == self.q_dtype and q.flags.c_contiguous else np.ascontiguousarray(q, self.q_dtype),
-                k if k.dtype == storage else k.astype(storage), v if v.dtype == storage else v.astype(storage))
+        # k/v stay in the caller's dtype: the write into the pool casts them (the limits made the cast safe)
+        return q if q.dtype == self.q_dtype and q.flags.c_contiguous else np.ascontiguousarray(q, self.q_dtype), k, v
 
     def _input_limits(self, q_dtype, k_dtype, v_dtype) -> tuple[float, float]:
         """Magnitude limits of the jitted check for these input dtypes: finite after the cast (`overflow_limit`)

@@ -43,8 +43,9 @@ class TokenWrite:
         self.state = "open"
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` (already validated and in the
-        storage dtype) in ``layer``; a failure rolls the token back."""
+        """Store ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` in ``layer``; a failure rolls
+        the token back. They must be validated already (shape, float dtype, finite once cast to the storage
+        dtype): the assignment into the pool casts them."""
         cache = self.cache
         try:
             self._require_open()
