@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -340,6 +341,58 @@ class Rotation:
 
     def __next__(self) -> int:
         return next(self._it)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# other processes: the machine has 2 cores and is shared; every timing records how much CPU others used meanwhile
+# ----------------------------------------------------------------------------------------------------------------
+DISTURBED_CORES = 0.2       # others used more than this many cores on average during a timing: "disturbed"
+
+
+def _machine_busy_s():
+    """(busy, steal) CPU seconds of the whole machine so far (/proc/stat), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = vals
+    hz = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class OtherLoad:
+    """Context manager: ``others`` = CPU cores used on average by every other process while the block ran
+    (machine busy time minus this process's and its waited children's), ``steal`` = cores the hypervisor took;
+    None for blocks shorter than 0.25 s (the kernel counts in 10 ms ticks)."""
+
+    def __enter__(self):
+        self.others = self.steal = None
+        self._m0, self._own0, self._t0 = _machine_busy_s(), _own_cpu_s(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        m1, own1, wall = _machine_busy_s(), _own_cpu_s(), time.perf_counter() - self._t0
+        if self._m0 is not None and m1 is not None and wall >= 0.25:       # /proc/stat counts 10 ms ticks
+            self.others = max(0.0, ((m1[0] - self._m0[0]) - (own1 - self._own0)) / wall)
+            self.steal = max(0.0, (m1[1] - self._m0[1]) / wall)
+        return False
+
+
+def pedantic(benchmark, target, **kwargs):
+    """`benchmark.pedantic` that also records the other processes' CPU use during the timing
+    (extra_info ``other_cpu_cores``, ``steal_cores``, ``disturbed``)."""
+    with OtherLoad() as load:
+        result = benchmark.pedantic(target, **kwargs)
+    if load.others is not None:
+        benchmark.extra_info.update({"other_cpu_cores": load.others, "steal_cores": load.steal,
+                                     "disturbed": load.others > DISTURBED_CORES})
+    return result
 
 
 def choose_rounds(seconds_per_call: float, budget: float, minimum: int = 5, maximum: int = 5000) -> int:

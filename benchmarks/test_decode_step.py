@@ -56,7 +56,7 @@ def run_step_benchmark(benchmark, ceilings, quick, shape, impl_name, page_size=c
     minimum = 5 if per_call < 0.2 else (3 if per_call < 1.0 else 2)
     rounds = 1 if quick else common.choose_rounds(per_call, budget=budget, minimum=minimum, maximum=max_rounds)
     benchmark.group = group or f"step {shape.label}"
-    benchmark.pedantic(impl.call, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
+    common.pedantic(benchmark, impl.call, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
     common.record(benchmark, ceil, shape.kv_bytes, shape.flops, impl=impl_name, layers=layers,
                   page_size=page_size, cold_bytes=layers * shape.kv_bytes, rounds=rounds,
                   description=type(impl).__doc__.split("\n\n")[0].replace("\n", " "),

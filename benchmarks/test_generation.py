@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from . import common
 from .conftest import ROOT
 
 
@@ -42,7 +43,7 @@ def test_generation(benchmark, quick, warm_engine, impl):
         result.update(run_module("benchmarks.generate", "--impl", impl, *generation_args(quick)))
 
     benchmark.group = "generation"
-    benchmark.pedantic(run, rounds=1, iterations=1)
+    common.pedantic(benchmark, run, rounds=1, iterations=1)
     if not result:                                   # --benchmark-disable still calls run once
         run()
     benchmark.extra_info.update(result)
@@ -60,7 +61,7 @@ def test_first_step(benchmark, quick, warm_engine):
         runs.append(run_module("benchmarks.first_step", *args))
 
     benchmark.group = "first step (fresh process)"
-    benchmark.pedantic(run, rounds=1 if quick else 5, iterations=1)
+    common.pedantic(benchmark, run, rounds=1 if quick else 5, iterations=1)
     if not runs:
         run()
     runs.sort(key=lambda r: r["first_step_s"])

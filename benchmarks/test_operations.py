@@ -68,7 +68,7 @@ def test_append(benchmark, ceilings, quick, warm_engine, tokens):
 
     rounds = rounds_for(quick, trial(dec.append, setup))
     benchmark.group = "op append"
-    benchmark.pedantic(dec.append, setup=setup, rounds=rounds)
+    common.pedantic(benchmark, dec.append, setup=setup, rounds=rounds)
     nbytes = tokens * token_bytes(shape)
     common.record(benchmark, ceilings, nbytes, 0, impl="engine_append", op="append", tokens=tokens,
                   bytes_written=nbytes, **shape.info())
@@ -91,7 +91,7 @@ def test_extend(benchmark, ceilings, quick, warm_engine, tokens):
 
     rounds = rounds_for(quick, trial(dec.extend, setup))
     benchmark.group = "op extend"
-    benchmark.pedantic(dec.extend, setup=setup, rounds=rounds)
+    common.pedantic(benchmark, dec.extend, setup=setup, rounds=rounds)
     n = shape.context
     keys = sum(n + i + 1 for i in range(tokens))
     common.record(benchmark, ceilings, (n + tokens) * token_bytes(shape), 4 * shape.num_q_heads * keys * shape.head_dim,
@@ -113,7 +113,7 @@ def test_truncate(benchmark, ceilings, quick, warm_engine, drop):
 
     rounds = rounds_for(quick, trial(dec.truncate, setup), budget=0.3, maximum=100)
     benchmark.group = "op truncate"
-    benchmark.pedantic(dec.truncate, setup=setup, rounds=rounds)
+    common.pedantic(benchmark, dec.truncate, setup=setup, rounds=rounds)
     common.record(benchmark, ceilings, 0, 0, impl="engine_truncate", op="truncate", tokens=top - keep,
                   pages_freed=-(-top // PAGE) - (-(-keep // PAGE)), **shape.info())
 
@@ -135,7 +135,7 @@ def test_fork(benchmark, ceilings, quick, warm_engine):
 
     rounds = rounds_for(quick, trial(fork, setup))
     benchmark.group = "op fork"
-    benchmark.pedantic(fork, setup=setup, rounds=rounds)
+    common.pedantic(benchmark, fork, setup=setup, rounds=rounds)
     setup()
     common.record(benchmark, ceilings, 0, 0, impl="engine_fork", op="fork", tokens=dec.length,
                   pages_shared=-(-dec.length // PAGE), **shape.info())
@@ -159,7 +159,7 @@ def test_step_after_fork(benchmark, ceilings, quick, warm_engine):
 
     rounds = rounds_for(quick, trial(step, setup))
     benchmark.group = "op fork"
-    benchmark.pedantic(step, setup=setup, rounds=rounds)
+    common.pedantic(benchmark, step, setup=setup, rounds=rounds)
     setup()
     common.record(benchmark, ceilings, shape.kv_bytes, shape.flops, impl="engine_step_after_fork",
                   op="step_after_fork", cow_bytes=PAGE * token_bytes(shape), **shape.info())
@@ -223,7 +223,7 @@ def test_batched_step(benchmark, ceilings, quick, warm_engine, batch, how):
     assert np.allclose(got, expected, atol=1e-5), "batch_step and the step loop disagree"
     rounds = rounds_for(quick, trial(run, setup), budget=1.0)
     benchmark.group = f"batched step B={batch}"
-    benchmark.pedantic(run, setup=setup, rounds=rounds)
+    common.pedantic(benchmark, run, setup=setup, rounds=rounds)
     keys = int(sum(lengths + 1))
     common.record(benchmark, ceil, keys * token_bytes(shape), 4 * shape.num_q_heads * keys * shape.head_dim,
                   impl=f"engine_{how}", op="batched_step", batch=batch, keys_attended=keys,
