@@ -422,7 +422,7 @@ def plots(res: Results, gens: dict, memory_rows) -> list[str]:
         ax.axhline(TARGET_COMPUTE, color="C3", linestyle=":", linewidth=1, label="50% target (compute-bound)")
         ax.set_xticks(list(x))
         ax.set_xticklabels([s.replace("-q32", "\nq32").replace("-n", "\nn") for s in shapes], fontsize=6)
-        ax.set_ylabel("fraction of the session's ceiling")
+        ax.set_ylabel("fraction of the ceiling probed before the shape")
         ax.legend(fontsize=7, ncol=3)
         ax.grid(True, axis="y", alpha=0.3)
         fig.tight_layout()
@@ -571,8 +571,10 @@ def render(res: Results, memory_rows=None, results_path: Path | None = None, doc
         "## Reproduce",
         "",
         "```sh",
-        "python -m benchmarks.report --run            # full suite (~10 min) -> benchmarks/results/full-run.json,",
-        "                                             # then this file and docs/img/*.png",
+        "python -m benchmarks.report --run --wait-quiet 900 --memory-json benchmarks/results/memory.json",
+        "    # waits (<= 15 min) for a quiet machine, runs the full suite (~6-8 min) into benchmarks/results/full-run.json,",
+        "    # re-runs any benchmark that other processes disturbed, then writes this file and docs/img/*.png",
+        "python -m decode.cli memory --json > benchmarks/results/memory.json        # the memory table's input",
         "python -m benchmarks.report benchmarks/results/full-run.json --memory-json benchmarks/results/memory.json",
         "pytest benchmarks --benchmark-only -k 'MQA and n32768'       # any subset",
         "pytest benchmarks --benchmark-disable --quick                # what CI runs: every benchmark once, small shapes",
@@ -720,6 +722,15 @@ def run_suite(out: Path, extra_args=(), targets=None, fatal=True) -> bool:
     return code == 0 and out.exists()
 
 
+def compact(path: Path) -> None:
+    """Drop the per-round timings (stats.data: up to 20000 numbers per benchmark, ~25 MB per run) from a saved
+    run; every statistic the report uses stays."""
+    raw = json.loads(path.read_text())
+    for b in raw.get("benchmarks", []):
+        (b.get("stats") or {}).pop("data", None)
+    path.write_text(json.dumps(raw, indent=1))
+
+
 def disturbed(raw: dict) -> list[str]:
     """Node ids of the benchmarks during whose timing other processes used > DISTURBED_CORES cores."""
     return [b["fullname"] for b in raw.get("benchmarks", []) if (b.get("extra_info") or {}).get("disturbed")]
@@ -779,6 +790,7 @@ def main(argv=None) -> int:
         if args.wait_quiet and hasattr(os, "getloadavg"):
             wait_for_quiet(args.wait_quiet)
         run_suite(results, extra)
+        compact(results)
         for attempt in range(args.reruns):
             raw = json.loads(results.read_text())
             names = disturbed(raw)
@@ -792,6 +804,7 @@ def main(argv=None) -> int:
             if not run_suite(tmp, extra, targets=names, fatal=False):
                 print("the re-run failed; keeping the first timings", file=sys.stderr)
                 break
+            compact(tmp)
             results.write_text(json.dumps(merge_rerun(raw, json.loads(tmp.read_text())), indent=1))
             tmp.unlink()
     memory_path = Path(args.memory_json) if args.memory_json else (MEMORY if MEMORY.exists() else None)
