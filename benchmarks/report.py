@@ -367,7 +367,7 @@ def first_step_section(res: Results) -> tuple[str, list, dict]:
 # ----------------------------------------------------------------------------------------------------------------
 # plots
 # ----------------------------------------------------------------------------------------------------------------
-def plots(res: Results, gens: dict, memory_rows) -> list[str]:
+def plots(res: Results, gens: dict, memory_rows, IMG: Path = IMG) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -526,7 +526,7 @@ def render(res: Results, memory_rows=None, results_path: Path | None = None, doc
     tiny, unmet_tiny = tiny_section(res)
     gen_summary, gen_windows, gens = generation_section(res)
     first, unmet_first, first_e = first_step_section(res)
-    made = plots(res, gens, memory_rows)
+    made = plots(res, gens, memory_rows, doc.parent / "img")       # images beside the document
     unmet_all = unmet + unmet16 + unmet_tiny + unmet_first
 
     faster_unmet = [f for f in faster if "not met" in f[-1]]
@@ -817,7 +817,7 @@ def main(argv=None) -> int:
     text = render(res, memory_rows, results, doc)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
-    print(f"wrote {doc} and {IMG}/*.png from {results}")
+    print(f"wrote {doc} and {doc.parent / 'img'}/*.png from {results}")
     return 0
 
 
