@@ -326,7 +326,7 @@ class DecoderTransaction:
         """One token per decoder: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``,
         ``v [B, num_kv_heads, head_dim_v]`` with B = number of decoders (the B axis may be dropped for one
         decoder) -> ``[B, num_q_heads, head_dim_v]``."""
-        if len(self.decoders) == 1 and np.ndim(q) == 2:
+        if self._single_token and np.ndim(q) == 2:
             return self._guard(lambda: self._step_one(layer, q, k, v))
         return self._guard(lambda: self._step_batch(layer, q, k, v))
 

@@ -294,3 +294,12 @@ def test_constructor_errors_name_the_argument():
         make(scale=-1.0)
     with pytest.raises(ValueError, match="window"):
         make(window=0)
+
+
+def test_tx_step_inside_a_multi_token_transaction_is_rejected_and_changes_nothing():
+    dec = make("float32", num_layers=2)
+    before = dec.cache.fingerprint()
+    with pytest.raises(ValueError, match="^q: expected shape"):
+        with dec.transaction(2) as tx:                       # step is one token per decoder: use extend here
+            tx.step(0, np.ones((4, 8)), np.ones((2, 8)), np.ones((2, 8)))
+    assert dec.cache.fingerprint() == before and dec.length == 0
