@@ -52,13 +52,6 @@ def first_nonfinite(array: np.ndarray):
     return index, array[index]
 
 
-def check_finite(name: str, array: np.ndarray) -> None:
-    """Raise ValueError naming the first non-finite element of ``array``."""
-    if not np.isfinite(array).all():
-        index, value = first_nonfinite(array)
-        raise ValueError(f"{name}: expected finite values, got {value} at index {index}")
-
-
 def cast_to_storage(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Cast ``array`` to the storage dtype and reject anything not finite *after* the cast.
 
