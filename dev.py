@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
-EXTRAS = "test,plot,demo"
+EXTRAS = "test,plot,demo,compare,hf,distributed"
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
 
 

@@ -1,4 +1,4 @@
-"""Paged single-query ("decode") attention: the validating wrapper around the kernels in `decode._kernels`
+"""Paged single-query ("decode") attention: the validating wrapper around the kernels in `decode.kernels`
 (`decode_units` on the calling thread, `plan_units` + `decode_parallel` on all threads; see docs/kernel.md).
 
     out = paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
@@ -27,7 +27,7 @@ import math
 import numpy as np
 import numba
 
-from . import _kernels
+from . import kernels as _kernels
 
 # Dispatch thresholds (measured, see docs/kernel.md)
 SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads

@@ -469,7 +469,7 @@ def test_cache_dir_fallback(monkeypatch, tmp_path):
     """A read-only package directory and no NUMBA_CACHE_DIR: the numba cache goes to a per-user directory
     (XDG_CACHE_HOME), or to the temp directory when that is not writable either."""
     from numba.core import config
-    from decode import _kernels as K
+    from decode.kernels import cachedir as K
     monkeypatch.setattr(config, "CACHE_DIR", config.CACHE_DIR)
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

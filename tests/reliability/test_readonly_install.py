@@ -1,5 +1,5 @@
 """An install into a location the process cannot write still imports and decodes: numba's ``cache=True`` cannot
-write next to the modules, so `decode._kernels` points numba at a per-user cache directory before any kernel is
+write next to the modules, so `decode.kernels` points numba at a per-user cache directory before any kernel is
 compiled (tests/decode/test_kernels.py checks the choice itself; this runs the whole thing in a fresh process).
 
 The packages are copied to a temporary directory and made unwritable: ``chmod a-w`` everywhere and, because root
@@ -25,7 +25,7 @@ CHILD = textwrap.dedent("""
     import numpy as np
     import numba
     import decode
-    from decode import Decoder, _kernels
+    from decode import Decoder, kernels as _kernels
     from reference.dense import decode_reference
     assert os.path.dirname(decode.__file__).startswith(sys.argv[1]), decode.__file__
     rng = np.random.default_rng(0)
@@ -47,8 +47,9 @@ def snapshot(tree):
 
 
 def make_unwritable(tree):
-    for name in ("kvcache", "decode", "reference"):
-        with open(os.path.join(tree, name, "__pycache__"), "w") as blocker:
+    packages = [d for d, _, files in os.walk(tree) if "__init__.py" in files]     # decode/kernels too
+    for package in packages:
+        with open(os.path.join(package, "__pycache__"), "w") as blocker:
             blocker.write("a file, so that no __pycache__ directory can be made here\n")
     for d, dirs, files in os.walk(tree, topdown=False):
         for f in files:

@@ -1,0 +1,334 @@
+"""Scalar and SIMD helpers shared by the kernels: storage element loads (float16 bits -> float32), prefetch hints,
+exact 2**n, a polynomial exp, and LLVM-IR register blocks (4x4 / 1x4 dot products, 4-head PV accumulation).
+Each has a plain-Python twin used under NUMBA_DISABLE_JIT and a typed implementation for the JIT."""
+import math
+
+import numpy as np
+
+from . import cachedir  # noqa: F401  (numba's cache directory is settled before any decorator runs)
+
+from numba import njit, types
+from numba.core import config as _nb_config
+from numba.extending import intrinsic, overload
+
+JIT = not _nb_config.DISABLE_JIT
+FAST = True  # fastmath: reassociation + FMA contraction; nothing here produces inf or NaN (no -inf sentinels)
+EXP_FLAGS = {"nnan", "ninf", "nsz", "contract"}  # no reassoc: it would undo the Cody-Waite split
+
+# --------------------------------------------------------------------------------------------------------------
+# scalar helpers: element load (float16 bits -> float32), exact 2**n, polynomial exp
+# Each has a plain-Python body used under NUMBA_DISABLE_JIT and a typed implementation for the JIT.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def ld(x):
+    """Storage element -> compute value (float16 bits are widened exactly; floats pass through)."""
+    if isinstance(x, np.uint16):
+        return np.float32(x.view(np.float16))
+    return x
+
+
+def prefetch(row, i):
+    """Hint: the cache line holding row[i] will be read soon (no-op without the JIT)."""
+    return None
+
+
+def pow2(n):
+    """2.0**n as float32 for an integral float32 n in [-126, 127]."""
+    return np.float32(np.ldexp(np.float32(1.0), int(n)))
+
+
+if JIT:
+    from llvmlite import ir as _ir
+
+    @intrinsic
+    def _h2f(typingctx, x):
+        if x != types.uint16:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], _ir.HalfType()), _ir.FloatType())
+
+        return types.float32(types.uint16), codegen
+
+    @intrinsic
+    def _pow2_intrinsic(typingctx, n):
+        if n != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            i32 = _ir.IntType(32)
+            e = builder.add(builder.fptosi(args[0], i32), _ir.Constant(i32, 127))
+            return builder.bitcast(builder.shl(e, _ir.Constant(i32, 23)), _ir.FloatType())
+
+        return types.float32(types.float32), codegen
+
+    @intrinsic
+    def _prefetch_intrinsic(typingctx, row, i):
+        if not isinstance(row, types.Array) or not isinstance(i, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            from numba.core import cgutils
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            i8p = _ir.IntType(8).as_pointer()
+            i32 = _ir.IntType(32)
+            fn = cgutils.get_or_insert_function(builder.module, _ir.FunctionType(_ir.VoidType(), [i8p, i32, i32, i32]),
+                                                "llvm.prefetch.p0")
+            ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+            builder.call(fn, [ptr, _ir.Constant(i32, 0), _ir.Constant(i32, 2), _ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.void(row, i), codegen
+
+    @overload(prefetch)
+    def _prefetch_ov(row, i):
+        return lambda row, i: _prefetch_intrinsic(row, i)
+
+    @overload(ld)
+    def _ld_ov(x):
+        if x == types.uint16:
+            return lambda x: _h2f(x)
+        if isinstance(x, types.Float):
+            return lambda x: x
+        return None
+
+    @overload(pow2)
+    def _pow2_ov(n):
+        if n == types.float32:
+            return lambda n: _pow2_intrinsic(n)
+        return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# vector micro-kernels written directly in LLVM IR (the register blocks LLVM cannot derive from scalar loops:
+# several dot products reduced together by one butterfly of shuffles instead of one horizontal sum each, and
+# PV accumulators kept in registers over a whole chunk of value rows). Each has a plain-NumPy twin for
+# NUMBA_DISABLE_JIT. Vectors are 16 float32 or 8 float64 lanes; `n` (a multiple of 32) elements are processed,
+# the callers handle the tail.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def row_f(x):
+    """A storage row as compute values (NumPy; used by the no-JIT twins)."""
+    return x.view(np.float16).astype(np.float32) if x.dtype == np.uint16 else x
+
+
+def dot44(qs, g, kp, t, n):
+    """16 dot products qs[g + a, :n] . kp[t + b, :n] (a, b < 4), a-major."""
+    return tuple(np.dot(qs[g + a, :n], row_f(kp[t + b, :n])) for a in range(4) for b in range(4))
+
+
+def dot14(qs, g, kp, t, n):
+    """4 dot products qs[g, :n] . kp[t + b, :n] (b < 4)."""
+    return tuple(np.dot(qs[g, :n], row_f(kp[t + b, :n])) for b in range(4))
+
+
+def pv4(S, g, c, vp, t0, t1, acc, n):
+    """acc[g + a, :n] += sum_t S[g + a, c + t - t0] * vp[t, :n] over t in [t0, t1), a < 4."""
+    V = row_f(vp[t0:t1, :n])
+    for a in range(4):
+        acc[g + a, :n] += S[g + a, c:c + t1 - t0] @ V
+
+
+if JIT:
+    from numba.core import cgutils as _cg
+
+    _I32 = _ir.IntType(32)
+    _I64 = _ir.IntType(64)
+
+    def _lanes(nbty):
+        return 8 if nbty == types.float64 else 16
+
+    def _row(context, builder, aryty, arr, row):
+        """Pointer to element [row, 0] of a C-contiguous 2-D array."""
+        ary = context.make_array(aryty)(context, builder, arr)
+        cols = _cg.unpack_tuple(builder, ary.shape, 2)[1]
+        return builder.gep(ary.data, [builder.mul(row, cols)])
+
+    def _vload(context, builder, ptr, storage, lanes, vt):
+        """<lanes x compute> from ptr (storage element type); float16 bits are widened exactly."""
+        ety = context.get_value_type(storage)
+        x = builder.load(builder.bitcast(ptr, _ir.VectorType(ety, lanes).as_pointer()), align=storage.bitwidth // 8)
+        if storage == types.uint16:
+            x = builder.fpext(builder.bitcast(x, _ir.VectorType(_ir.HalfType(), lanes)), vt)
+        return x
+
+    def _fma(builder, vt, lanes):
+        name = "llvm.fma.v%d%s" % (lanes, "f64" if lanes == 8 else "f32")
+        return _cg.get_or_insert_function(builder.module, _ir.FunctionType(vt, [vt, vt, vt]), name)
+
+    def _reduce_many(builder, accs, lanes):
+        """Sums of n accumulators (<lanes x T>, n a power of two) by a butterfly of shuffles: each stage halves
+        the lanes per partial sum and doubles the sums per vector (n - 1 shuffle pairs instead of n reductions)."""
+        vs = list(accs)
+        labels = [[i] * lanes for i in range(len(vs))]
+        width = lanes
+        while len(vs) > 1 and width > 1:
+            half = width // 2
+            nv, nl = [], []
+            for (a, la), (b, lb) in zip(zip(vs[0::2], labels[0::2]), zip(vs[1::2], labels[1::2])):
+                lo, hi, lab = [], [], []
+                for blk in range(0, lanes, width):
+                    lo += [blk + i for i in range(half)] + [lanes + blk + i for i in range(half)]
+                    hi += [blk + half + i for i in range(half)] + [lanes + blk + half + i for i in range(half)]
+                    lab += [la[blk]] * half + [lb[blk]] * half
+                nv.append(builder.fadd(builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(_I32, lanes), lo)),
+                                       builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(_I32, lanes), hi))))
+                nl.append(lab)
+            vs, labels, width = nv, nl, half
+        out = [None] * len(accs)
+        for v, lab in zip(vs, labels):
+            cur = lanes
+            w = width
+            while w > 1:
+                half = w // 2
+                lo, hi, nlab = [], [], []
+                for blk in range(0, cur, w):
+                    lo += [blk + i for i in range(half)]
+                    hi += [blk + half + i for i in range(half)]
+                    nlab += [lab[blk]] * half
+                v = builder.fadd(builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_I32, len(lo)), lo)),
+                                 builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_I32, len(hi)), hi)))
+                lab, cur, w = nlab, len(lo), half
+            for lane, k in enumerate(lab):
+                out[k] = builder.extract_element(v, _ir.Constant(_I32, lane))
+        return out
+
+    def _make_dot(ng, nt):
+        def typer(typingctx, qs, g, kp, t, n):
+            if not (isinstance(qs, types.Array) and isinstance(kp, types.Array) and qs.ndim == 2 and kp.ndim == 2
+                    and isinstance(qs.dtype, types.Float)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                qty, _, kty, _, _ = sig.args
+                lanes = _lanes(qty.dtype)
+                ft = context.get_value_type(qty.dtype)
+                vt = _ir.VectorType(ft, lanes)
+                g_, t_, n_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 3, 4))
+                qrows = [_row(context, builder, qty, args[0], builder.add(g_, _ir.Constant(_I64, a))) for a in range(ng)]
+                krows = [_row(context, builder, kty, args[2], builder.add(t_, _ir.Constant(_I64, b))) for b in range(nt)]
+                slots = [_cg.alloca_once_value(builder, _ir.Constant(vt, None)) for _ in range(ng * nt)]
+                fma = _fma(builder, vt, lanes)
+                with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), n_, _ir.Constant(_I64, lanes)) as (i, _):
+                    qv = [_vload(context, builder, builder.gep(r, [i]), qty.dtype, lanes, vt) for r in qrows]
+                    kv = [_vload(context, builder, builder.gep(r, [i]), kty.dtype, lanes, vt) for r in krows]
+                    for a in range(ng):
+                        for b in range(nt):
+                            sl = slots[a * nt + b]
+                            builder.store(builder.call(fma, [qv[a], kv[b], builder.load(sl)]), sl)
+                sums = _reduce_many(builder, [builder.load(sl) for sl in slots], lanes)
+                return context.make_tuple(builder, sig.return_type, sums)
+
+            return types.UniTuple(qs.dtype, ng * nt)(qs, g, kp, t, n), codegen
+        return intrinsic(typer)
+
+    def _make_pv(ng, nvec):
+        def typer(typingctx, S, g, c, vp, t0, t1, acc, n):
+            if not (isinstance(S, types.Array) and isinstance(vp, types.Array) and isinstance(acc, types.Array)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                sty, _, _, vty, _, _, aty, _ = sig.args
+                lanes = _lanes(aty.dtype)
+                ft = context.get_value_type(aty.dtype)
+                vt = _ir.VectorType(ft, lanes)
+                g_, c_, t0_, t1_, n_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4, 5, 7))
+                arows = [_row(context, builder, aty, args[6], builder.add(g_, _ir.Constant(_I64, a))) for a in range(ng)]
+                srows = [builder.gep(_row(context, builder, sty, args[0], builder.add(g_, _ir.Constant(_I64, a))),
+                                     [builder.sub(c_, t0_)]) for a in range(ng)]
+                vary = context.make_array(vty)(context, builder, args[3])
+                vcols = _cg.unpack_tuple(builder, vary.shape, 2)[1]
+                slots = [_cg.alloca_once(builder, vt) for _ in range(ng * nvec)]
+                fma = _fma(builder, vt, lanes)
+                strip = lanes * nvec
+                with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), n_, _ir.Constant(_I64, strip)) as (d, _):
+                    for a in range(ng):
+                        for k in range(nvec):
+                            p = builder.gep(arows[a], [builder.add(d, _ir.Constant(_I64, k * lanes))])
+                            builder.store(builder.load(builder.bitcast(p, vt.as_pointer()), align=4), slots[a * nvec + k])
+                    with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(_I64, 1)) as (t, _):
+                        vrow = builder.gep(vary.data, [builder.add(builder.mul(t, vcols), d)])
+                        vv = [_vload(context, builder, builder.gep(vrow, [_ir.Constant(_I64, k * lanes)]), vty.dtype,
+                                     lanes, vt) for k in range(nvec)]
+                        for a in range(ng):
+                            w = builder.load(builder.gep(srows[a], [t]))
+                            wv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), w, _ir.Constant(_I32, 0)),
+                                                        _ir.Constant(vt, None), _ir.Constant(_ir.VectorType(_I32, lanes), [0] * lanes))
+                            for k in range(nvec):
+                                sl = slots[a * nvec + k]
+                                builder.store(builder.call(fma, [wv, vv[k], builder.load(sl)]), sl)
+                    for a in range(ng):
+                        for k in range(nvec):
+                            p = builder.gep(arows[a], [builder.add(d, _ir.Constant(_I64, k * lanes))])
+                            builder.store(builder.load(slots[a * nvec + k]), builder.bitcast(p, vt.as_pointer()), align=4)
+                return context.get_dummy_value()
+
+            return types.void(S, g, c, vp, t0, t1, acc, n), codegen
+        return intrinsic(typer)
+
+    _dot44_ir = _make_dot(4, 4)
+    _dot14_ir = _make_dot(1, 4)
+    _pv4_ir = _make_pv(4, 2)
+
+    @overload(dot44)
+    def _dot44_ov(qs, g, kp, t, n):
+        return lambda qs, g, kp, t, n: _dot44_ir(qs, g, kp, t, n)
+
+    @overload(dot14)
+    def _dot14_ov(qs, g, kp, t, n):
+        return lambda qs, g, kp, t, n: _dot14_ir(qs, g, kp, t, n)
+
+    @overload(pv4)
+    def _pv4_ov(S, g, c, vp, t0, t1, acc, n):
+        return lambda S, g, c, vp, t0, t1, acc, n: _pv4_ir(S, g, c, vp, t0, t1, acc, n)
+
+
+_LOG2E_F = np.float32(1.44269504088896341)
+_LN2_HI_F = np.float32(0.693359375)
+_LN2_LO_F = np.float32(-2.12194440e-4)
+_EXP_MIN_F = np.float32(-87.0)
+_HALF_F = np.float32(0.5)
+_ONE_F = np.float32(1.0)
+_C0_F = np.float32(1.9875691500e-4)
+_C1_F = np.float32(1.3981999507e-3)
+_C2_F = np.float32(8.3334519073e-3)
+_C3_F = np.float32(4.1665795894e-2)
+_C4_F = np.float32(1.6666665459e-1)
+_C5_F = np.float32(5.0000001201e-1)
+
+
+def _expf_body(x):
+    """exp(x) for float32 x <= 0 (Cephes expf: Cody-Waite reduction + degree-6 polynomial, ~1e-7 relative).
+    Arguments below -87 are clamped (result ~1e-38: negligible next to the running maximum's weight 1)."""
+    x = max(x, _EXP_MIN_F)
+    n = np.floor(x * _LOG2E_F + _HALF_F)
+    r = x - n * _LN2_HI_F
+    r = r - n * _LN2_LO_F
+    p = _C0_F * r + _C1_F
+    p = p * r + _C2_F
+    p = p * r + _C3_F
+    p = p * r + _C4_F
+    p = p * r + _C5_F
+    y = p * (r * r) + r + _ONE_F
+    return y * pow2(n)
+
+
+def exp(x):
+    """exp of a non-positive score difference: polynomial in float32, libm exp in float64."""
+    if isinstance(x, np.float32):
+        return _expf_body(x)
+    return math.exp(x)
+
+
+if JIT:
+    _expf_jit = njit(cache=True, fastmath=EXP_FLAGS)(_expf_body)
+
+    @overload(exp)
+    def _exp_ov(x):
+        if x == types.float32:
+            return lambda x: _expf_jit(x)
+        if x == types.float64:
+            return lambda x: math.exp(x)
+        return None
