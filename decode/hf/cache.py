@@ -75,6 +75,10 @@ class PagedCache(Cache):
     dtype : "float16" | "float32" | "float64"   storage dtype (inputs are converted; outputs come back in the
                                              model's dtype)
     page_size : int                          tokens per page
+    kernel_threads : int or None             numba threads of the attention kernel (None: numba's setting).
+                                             1 by default: torch's OpenMP threads keep spinning after each op
+                                             and take the cores numba's threads wait for (measured 20x slower
+                                             per decode call, docs/transformers.md)
 
     Attributes
     ----------
@@ -82,14 +86,18 @@ class PagedCache(Cache):
     stats : dict                             ``kernel_calls``, ``forwards``, ``tokens`` (real tokens stored)
     """
 
-    def __init__(self, config, *, max_tokens=None, num_pages=None, dtype="float32", page_size=16):
+    def __init__(self, config, *, max_tokens=None, num_pages=None, dtype="float32", page_size=16,
+                 kernel_threads: int | None = 1):
+        if kernel_threads is not None and (isinstance(kernel_threads, bool) or not isinstance(kernel_threads, int)
+                                           or kernel_threads < 1):
+            raise ValueError(f"kernel_threads: expected None or an int >= 1, got {kernel_threads!r}")
         layout = layout_of(config)
         pool = KVCache(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                        dtype=dtype, page_size=page_size, num_pages=num_pages, max_tokens=max_tokens)
-        self._setup(layout, pool, None, RowColumns(0))
+        self._setup(layout, pool, None, RowColumns(0), kernel_threads)
 
-    def _setup(self, layout: ModelLayout, pool: KVCache, seqs, cols: RowColumns) -> None:
-        self.layout, self.pool = layout, pool
+    def _setup(self, layout: ModelLayout, pool: KVCache, seqs, cols: RowColumns, kernel_threads) -> None:
+        self.layout, self.pool, self.kernel_threads = layout, pool, kernel_threads
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
         self._seqs, self._cols = seqs, cols
         self._plan = None
@@ -171,7 +179,7 @@ class PagedCache(Cache):
         if self._seqs is None:
             seqs = [self.pool.create_sequence() for _ in range(batch)]
             try:
-                self._plan = ForwardPlan(self.pool, seqs, new_real)
+                self._plan = ForwardPlan(self.pool, seqs, new_real, self.kernel_threads)
             except BaseException:
                 for seq in seqs:
                     self.pool.free(seq)
@@ -181,7 +189,7 @@ class PagedCache(Cache):
             if batch != len(self._seqs):
                 raise ValueError(f"input batch: expected {len(self._seqs)} rows (the cache's; change them with "
                                  f"reorder_cache / batch_select_indices / batch_repeat_interleave), got {batch}")
-            self._plan = ForwardPlan(self.pool, self._seqs, new_real)
+            self._plan = ForwardPlan(self.pool, self._seqs, new_real, self.kernel_threads)
 
     def _check_layer(self, layer: int, key, value, window: int) -> None:
         lay = self.layout
@@ -302,7 +310,7 @@ class PagedCache(Cache):
         self._settle()
         child = PagedCache.__new__(PagedCache)
         seqs = None if self._seqs is None else [self.pool.fork(s) for s in self._seqs]
-        child._setup(self.layout, self.pool, seqs, self._cols.copy())
+        child._setup(self.layout, self.pool, seqs, self._cols.copy(), self.kernel_threads)
         child._record_past = self._record_past
         return child
 

@@ -7,6 +7,7 @@ Shapes (named dimensions; B = batch rows, T = new columns of this forward, N = r
     key    [B, num_kv_heads, T, head_dim]     the *new* states only (PagedCache.update returns them as given)
     new_real  bool [B, T]                     True where the new column is a real token (False: padding)
 """
+import numba
 import numpy as np
 import torch
 
@@ -23,8 +24,9 @@ class ForwardPlan:
     new_real : bool [B, T]
     """
 
-    def __init__(self, pool, seqs, new_real: np.ndarray):
+    def __init__(self, pool, seqs, new_real: np.ndarray, kernel_threads: int | None = 1):
         self.pool = pool
+        self.kernel_threads = kernel_threads
         self.new_real = new_real
         batch, width = new_real.shape
         self.batch, self.width = batch, width
@@ -75,9 +77,15 @@ class ForwardPlan:
             self.tx.write(layer, seq, k[start:stop], v[start:stop])
         self.layers_written += 1
         q = self._real_rows(query, compute)                                               # [N, Hq, D]
-        out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
-                                     self.page_indptr, self.query_seq, self.query_pos, scale=scale,
-                                     window=window)                                       # [N, Hq, Dv]
+        threads = numba.get_num_threads()
+        if self.kernel_threads is not None:
+            numba.set_num_threads(min(self.kernel_threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
+                                         self.page_indptr, self.query_seq, self.query_pos, scale=scale,
+                                         window=window)                                   # [N, Hq, Dv]
+        finally:
+            numba.set_num_threads(threads)
         result = torch.from_numpy(out).to(query.dtype)
         b, t = self.batch, self.width
         if self.all_real:
