@@ -6,13 +6,13 @@ from .allocator import PageAllocator
 from .cache import KVCache
 from .config import CacheConfig
 from .cache import PrefixMatch
-from .errors import (CacheFullError, InjectedFault, SnapshotChecksumError, SnapshotConfigError, SnapshotCorruptError,
-                     SnapshotError, SnapshotFormatError, SnapshotInconsistentError, SnapshotRangeError,
-                     SnapshotTruncatedError, SnapshotVersionError)
+from .errors import (CacheFullError, InjectedFault, ScaleOverflowError, SnapshotChecksumError, SnapshotConfigError,
+                     SnapshotCorruptError, SnapshotError, SnapshotFormatError, SnapshotInconsistentError,
+                     SnapshotRangeError, SnapshotTruncatedError, SnapshotVersionError)
 from .faults import FaultInjector
 from .transaction import Transaction
 
 __all__ = ["KVCache", "CacheConfig", "CacheFullError", "InjectedFault", "FaultInjector", "PageAllocator",
-           "PrefixMatch", "Transaction", "SnapshotError", "SnapshotTruncatedError", "SnapshotCorruptError",
-           "SnapshotChecksumError", "SnapshotVersionError", "SnapshotConfigError", "SnapshotFormatError",
-           "SnapshotRangeError", "SnapshotInconsistentError"]
+           "PrefixMatch", "ScaleOverflowError", "Transaction", "SnapshotError", "SnapshotTruncatedError",
+           "SnapshotCorruptError", "SnapshotChecksumError", "SnapshotVersionError", "SnapshotConfigError",
+           "SnapshotFormatError", "SnapshotRangeError", "SnapshotInconsistentError"]

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .allocator import PageAllocator
-from .checks import as_float_array, cast_to_storage, check_int, check_shape
+from .checks import as_float_array, check_int, check_shape
 from .config import CacheConfig
 from .errors import CacheFullError
 from .faults import no_fault
@@ -40,6 +40,7 @@ from .prefix import Entry, PrefixIndex, check_namespace, check_token_ids
 from . import snapshot
 from .seam import AppendSeam
 from .sequence import Sequence
+from .storage import PagePool
 from .token import TokenWrite
 from .transaction import Transaction
 
@@ -57,7 +58,8 @@ class KVCache:
     ----------
     num_layers, num_kv_heads, head_dim : int
     head_dim_v : int or None      V head size (None: same as head_dim)
-    dtype : "float16" | "float32" | "float64"   storage dtype
+    dtype : "float16" | "float32" | "float64" | "int8"   storage dtype (int8: quantized on write with a
+                                  float16 scale per 32 values, `kvcache.quant`; reads dequantize)
     page_size : int               tokens per page
     num_pages / max_tokens : int  pool size (give exactly one; max_tokens is rounded up to whole pages)
     prefix_caching : bool         register full pages by their token ids and reuse them (`match_prefix`)
@@ -73,8 +75,8 @@ class KVCache:
         self.config = cfg = CacheConfig.build(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                               head_dim_v=head_dim_v, page_size=page_size, num_pages=num_pages,
                                               max_tokens=max_tokens, dtype=dtype)
-        self._k = np.zeros((cfg.num_layers,) + cfg.k_page_shape, dtype=cfg.dtype)   # lazily backed by the OS
-        self._v = np.zeros((cfg.num_layers,) + cfg.v_page_shape, dtype=cfg.dtype)
+        self._pool = PagePool(cfg)                 # the page arrays (values, int8 scales) and their byte operations
+        self._k, self._v = self._pool.k, self._pool.v
         self.allocator = PageAllocator(cfg.num_pages)
         self._sequences: dict[int, Sequence] = {}
         self._next_id = 0
@@ -113,6 +115,24 @@ class KVCache:
         """``[num_pages, num_kv_heads, page_size, head_dim_v]`` V pages of ``layer`` (a view; do not write)."""
         return self._v[check_int("layer", layer, maximum=self.config.num_layers - 1)]
 
+    def k_scales(self, layer: int = 0) -> np.ndarray | None:
+        """int8 storage: ``float16 [num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]`` K scales of
+        ``layer`` (a view; do not write); None for the float dtypes."""
+        layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
+        return None if self._pool.k_scales is None else self._pool.k_scales[layer]
+
+    def v_scales(self, layer: int = 0) -> np.ndarray | None:
+        """int8 storage: ``float16 [num_pages, num_kv_heads, page_size, ceil(head_dim_v / 32)]`` V scales of
+        ``layer`` (a view; do not write); None for the float dtypes."""
+        layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
+        return None if self._pool.v_scales is None else self._pool.v_scales[layer]
+
+    @property
+    def page_arrays(self) -> tuple[np.ndarray, ...]:
+        """Every preallocated page array, all layers: ``(k, v)``, and for int8 ``(k, v, k_scales, v_scales)``
+        (read-only use: memory accounting)."""
+        return self._pool.arrays
+
     @property
     def num_free_pages(self) -> int:
         """Pages an append can take: clean free pages plus cached (evictable) prefix pages."""
@@ -125,8 +145,9 @@ class KVCache:
 
     @property
     def pool_nbytes(self) -> int:
-        """Bytes of the preallocated K and V page arrays, all layers (virtual size: lazily backed by the OS)."""
-        return self._k.nbytes + self._v.nbytes
+        """Bytes of the preallocated K and V page arrays (int8: and their scales), all layers (virtual size:
+        lazily backed by the OS)."""
+        return self._pool.nbytes
 
     @property
     def sequences(self) -> tuple[int, ...]:
@@ -175,7 +196,8 @@ class KVCache:
 
     # -- append -------------------------------------------------------------------------------------------
     def check_kv(self, k, v, num_tokens: int | None = None, *, layered: bool = True):
-        """Validate K/V and cast them to the storage dtype (finite after the cast).
+        """Validate K/V and cast them to the storage dtype (finite after the cast); for int8 storage check them
+        finite and within `kvcache.quant.MAX_ABS` (`ScaleOverflowError`) and keep them float (writes quantize).
 
         ``layered``: ``k [num_layers, T, num_kv_heads, head_dim]`` (``[T, ...]`` accepted for one layer);
         otherwise one layer's ``k [T, num_kv_heads, head_dim]``. ``v`` likewise with ``head_dim_v``.
@@ -192,7 +214,7 @@ class KVCache:
             num_tokens = k.shape[len(lead)]
         check_shape("k", k, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim), labels + "head_dim]")
         check_shape("v", v, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim_v), labels + "head_dim_v]")
-        return cast_to_storage("k", k, cfg.dtype), cast_to_storage("v", v, cfg.dtype)
+        return self._pool.check("k", k), self._pool.check("v", v)
 
     def append(self, seq: int, k, v, *, token_ids=None) -> None:
         """Append T tokens to ``seq`` in every layer: ``k [num_layers, T, num_kv_heads, head_dim]``,
@@ -311,9 +333,7 @@ class KVCache:
         """Give ``s`` a private copy (all layers) of its shared page at ``logical``."""
         old_page = int(s.table[logical])
         self._fault_hook("cow_copy")
-        for pool in (self._k, self._v):
-            journal.save_bytes(pool[:, new_page])
-            pool[:, new_page] = pool[:, old_page]
+        self._pool.copy_page(old_page, new_page, journal)
         s.table[logical] = new_page
         journal.record(lambda: s.table.__setitem__(logical, old_page))
         # Keep the reference to the old page until commit: a rollback points ``s`` back at it, so nobody else
@@ -330,22 +350,15 @@ class KVCache:
             position = start + done
             offset = position % size
             count = min(size - offset, total - done)
-            page = table[position // size]
-            for name, pool, src in (("write_k", self._k, k), ("write_v", self._v, v)):
-                self._fault_hook(name)
-                dst = pool[layer, page, :, offset:offset + count]          # [H, count, D]
-                journal.save_bytes(dst)
-                dst[...] = src[done:done + count].swapaxes(0, 1)          # [count, H, D] -> [H, count, D]
+            self._pool.write(layer, table[position // size], offset, k[done:done + count].swapaxes(0, 1),
+                             v[done:done + count].swapaxes(0, 1), self._fault_hook, journal)   # [H, count, D]
             done += count
 
     def _write_slot(self, layer: int, page: int, offset: int, k: np.ndarray, v: np.ndarray, saved: list) -> None:
         """Write one token's ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` at ``(page, offset)``
         of ``layer``, appending ``(view, old bytes)`` to ``saved``."""
-        for name, pool, src in (("write_k", self._k, k), ("write_v", self._v, v)):
-            self._fault_hook(name)
-            dst = pool[layer, page, :, offset]                                # [num_kv_heads, head_dim]
-            saved.append((dst, dst.copy()))
-            dst[...] = src
+        self._pool.write(layer, page, offset, k[:, None], v[:, None], self._fault_hook,
+                         saved=saved)                                       # [num_kv_heads, 1, head_dim]
 
     def _publish(self, num_tokens: dict[int, int], start: dict[int, int], token_ids: dict | None = None) -> None:
         """Commit: store token ids, register pages that became full with known ids, the fault point "publish",
@@ -518,18 +531,13 @@ class KVCache:
     def gather(self, seq: int, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Dense copies of what ``seq`` can read in ``layer``: ``K [length - first, num_kv_heads, head_dim]``,
         ``V [length - first, num_kv_heads, head_dim_v]`` for positions ``first = first_position(seq) ..
-        length - 1``, in the storage dtype."""
+        length - 1``, in the storage dtype (int8: dequantized to float32)."""
         layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
         with self._lock:
             s = self._sequence(seq)
             pages = s.table[s.first_live_page: self.config.pages_for(s.length)]
             count = s.length - s.first_live_page * self.config.page_size
-        return tuple(self._dense(pool[layer, pages], count) for pool in (self._k, self._v))
-
-    @staticmethod
-    def _dense(pages: np.ndarray, count: int) -> np.ndarray:
-        n, heads, size, dim = pages.shape                                    # [n, H, page_size, D]
-        return pages.transpose(0, 2, 1, 3).reshape(n * size, heads, dim)[:count].copy()   # [tokens, H, D]
+        return self._pool.dense(layer, pages, count)
 
     # -- snapshots ----------------------------------------------------------------------------------------
     def save(self, path) -> int:
@@ -583,12 +591,18 @@ class KVCache:
             config=self.config, prefix_caching=index is not None, namespace=self.namespace, salt=self._salt,
             next_id=self._next_id, free_list=list(alloc.free_list()), ref_counts=list(alloc.ref_counts()),
             eviction_order=index.eviction_order() if index is not None else [], used_pages=used,
-            pools={"k": self._k[:, used], "v": self._v[:, used]}, sequences=seqs, entries=entry_states)
+            pools={name: array[:, used] for name, array in self._named_arrays().items()}, sequences=seqs,
+            entries=entry_states)
+
+    def _named_arrays(self) -> dict[str, np.ndarray]:
+        """The page arrays by snapshot tensor name: k, v (int8: k_scales, v_scales too)."""
+        names = ("k", "v", "k_scales", "v_scales")
+        return dict(zip(names, self._pool.arrays))
 
     def _restore(self, state: "snapshot.CacheState") -> None:
         """Set this fresh cache to a validated ``state``."""
-        self._k[:, state.used_pages] = state.pools["k"]
-        self._v[:, state.used_pages] = state.pools["v"]
+        for name, array in self._named_arrays().items():
+            array[:, state.used_pages] = state.pools[name]
         self._salt, self._next_id = state.salt, state.next_id
         self.allocator.restore(state.free_list, state.ref_counts, set(state.eviction_order))
         entries = []
@@ -654,20 +668,19 @@ class KVCache:
         return filled
 
     def fingerprint(self, *, include_free_pages: bool = True) -> str:
-        """sha256 over the pool bytes and all metadata (free list order, ref counts, tables, lengths, token ids,
+        """sha256 over the pool bytes (int8: the scales too) and all metadata (free list order, ref counts, tables, lengths, token ids,
         prefix chains, the prefix index and its eviction order). ``include_free_pages=False``: only the bytes
         of the slots in use (positions below a holder's length; cached pages whole), what a snapshot keeps and
         the next operations can read (a new page's unwritten slots hold whatever was there before)."""
         h = hashlib.sha256()
         with self._lock:
             if include_free_pages:
-                h.update(self._k.tobytes())
-                h.update(self._v.tobytes())
+                self._pool.update_hash(h)
             else:
                 for page, filled in sorted(self._filled_slots().items()):
                     h.update(repr((page, filled)).encode())
-                    h.update(self._k[:, page, :, :filled].tobytes())
-                    h.update(self._v[:, page, :, :filled].tobytes())
+                    for array in self._pool.arrays:
+                        h.update(array[:, page, :, :filled].tobytes())
             h.update(repr((self.allocator.free_list(), self.allocator.ref_counts(), self._next_id,
                            sorted(self.allocator.parked()), self.namespace)).encode())
             if self.index is not None:

@@ -31,6 +31,11 @@ class InjectedFault(RuntimeError):
     """Raised by a `kvcache.faults.FaultInjector` at a chosen fault point (tests only)."""
 
 
+class ScaleOverflowError(ValueError):
+    """An input row of an int8 cache holds a value too large for its group's float16 scale
+    (``|x| > kvcache.quant.MAX_ABS``); nothing was changed. A ValueError: it is bad input."""
+
+
 class SnapshotError(ValueError):
     """A snapshot file that cannot be loaded; the message says what is wrong and where."""
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import errors as sn
+from . import quant
 from .config import CacheConfig
 from .prefix import page_key, root_key
 
@@ -92,11 +93,13 @@ def check_state(path, cfg: CacheConfig, tensors: dict, metadata: dict) -> "Cache
     return CacheState(config=cfg, prefix_caching=prefix_caching, namespace=namespace, salt=salt,
                          next_id=next_id, free_list=t["free_list"].tolist(), ref_counts=t["ref_counts"].tolist(),
                          eviction_order=t["eviction_order"].tolist(), used_pages=used,
-                         pools={"k": t["k"], "v": t["v"]}, sequences=sequences, entries=entries)
+                         pools={name: t[name] for name in ("k", "v", "k_scales", "v_scales") if name in t},
+                         sequences=sequences, entries=entries)
 
 
 def _check_tensors(path, cfg: CacheConfig, t: dict) -> None:
-    expected = set(INT_TENSORS) | {"k", "v"}
+    pools = ("k", "v", "k_scales", "v_scales") if cfg.quantized else ("k", "v")
+    expected = set(INT_TENSORS) | set(pools)
     if set(t) != expected:
         raise sn.SnapshotFormatError(path, f"tensors: expected {sorted(expected)}, missing "
                                            f"{sorted(expected - set(t))}, unexpected {sorted(set(t) - expected)}")
@@ -106,11 +109,15 @@ def _check_tensors(path, cfg: CacheConfig, t: dict) -> None:
             raise sn.SnapshotFormatError(path, f"tensor {name!r}: expected {np.dtype(dtype)} with {ndim} dims, got "
                                                f"{t[name].dtype} {t[name].shape}")
     used = len(t["used_pages"])
-    for name, width in (("k", cfg.head_dim), ("v", cfg.head_dim_v)):
+    widths = {"k": (cfg.head_dim, cfg.dtype), "v": (cfg.head_dim_v, cfg.dtype)}
+    if cfg.quantized:
+        widths.update(k_scales=(quant.num_groups(cfg.head_dim), quant.SCALE_DTYPE),
+                      v_scales=(quant.num_groups(cfg.head_dim_v), quant.SCALE_DTYPE))
+    for name, (width, dtype) in widths.items():
         shape = (cfg.num_layers, used, cfg.num_kv_heads, cfg.page_size, width)
-        if t[name].dtype != cfg.dtype or t[name].shape != shape:
-            raise sn.SnapshotFormatError(path, f"tensor {name!r}: expected {cfg.dtype} [num_layers, used pages, "
-                                               f"num_kv_heads, page_size, head_dim] = {shape}, got "
+        if t[name].dtype != dtype or t[name].shape != shape:
+            raise sn.SnapshotFormatError(path, f"tensor {name!r}: expected {np.dtype(dtype)} [num_layers, used "
+                                               f"pages, num_kv_heads, page_size, width] = {shape}, got "
                                                f"{t[name].dtype} {t[name].shape}")
     num_entries = len(t["entry_pages"])
     for name, shape in (("ref_counts", (cfg.num_pages,)), ("seq_meta", (len(t["seq_meta"]), 6)),

@@ -49,7 +49,7 @@ class TokenWrite:
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` in ``layer``; a failure rolls
         the token back. They must be validated already (shape, float dtype, finite once cast to the storage
-        dtype): the assignment into the pool casts them."""
+        dtype; int8: within `kvcache.quant.MAX_ABS`): the write into the pool casts (or quantizes) them."""
         cache = self.cache
         try:
             self._require_open()
