@@ -186,12 +186,12 @@ class PrefixIndex:
 def check_token_ids(name: str, token_ids, count: int | None = None) -> np.ndarray:
     """``token_ids`` as ``int32 [count]`` (1-D integers in ``[0, 2**31)``; ``count`` None: any length >= 1)."""
     array = np.asarray(token_ids)
-    if array.dtype.kind not in "iu" or array.dtype == np.bool_:
+    if count is None and array.size == 0:
+        raise ValueError(f"{name}: expected at least one token id, got none")
+    if array.dtype.kind not in "iu" and not (array.size == 0 and array.ndim == 1):
         raise TypeError(f"{name}: expected integer token ids, got dtype {array.dtype}")
     if array.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D array of token ids, got shape {array.shape}")
-    if count is None and len(array) == 0:
-        raise ValueError(f"{name}: expected at least one token id, got none")
     if count is not None and len(array) != count:
         raise ValueError(f"{name}: expected {count} token ids (one per appended token), got {len(array)}")
     if len(array) and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
