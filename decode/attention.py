@@ -32,6 +32,7 @@ import numpy as np
 import numba
 
 from . import kernels as _kernels
+from . import multiquery as _multiquery
 
 # Dispatch thresholds (measured, see docs/kernel.md)
 SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
@@ -222,7 +223,8 @@ def _input_error(code, bad, q, compute, page_indices, page_indptr, query_seq, qu
 
 
 def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
-                                      scale, window, out, *, mode=0, split_tokens=0, k_scales=None, v_scales=None):
+                                      scale, window, out, *, mode=0, split_tokens=0, tiled=True, k_scales=None,
+                                      v_scales=None):
     """The kernel call with no checks, for callers that validated already (the Decoder).
 
     Requires: q C-contiguous in the compute dtype (float32 for float16/float32 storage, float64 for float64),
@@ -231,8 +233,10 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
     position backed by a valid page. Returns out.
 
     mode (testing / tuning): 0 = choose, 1 = serial, 2 = parallel. split_tokens > 0 (parallel) forces key-range
-    splits of that many tokens (rounded up to whole blocks of ~64 tokens); 0 = choose. int8 pages: k_scales /
-    v_scales float16 of the checked shapes (`_int8_unchecked`)."""
+    splits of that many tokens (rounded up to whole blocks of ~64 tokens); 0 = choose. tiled: runs of queries of
+    one sequence at consecutive positions go to the tiled multi-query kernel (`decode.multiquery`); False: every
+    query through the single-query kernel. int8 pages: k_scales / v_scales float16 of the checked shapes; every
+    query goes through the int8 single-query kernel (`_int8_unchecked`; no tiled int8 multi-query kernel yet)."""
     if k_scales is not None:
         return _int8_unchecked(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq,
                                query_pos, scale, window, out, mode, split_tokens)
@@ -240,6 +244,17 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
         k_pages = k_pages.view(np.uint16)
         v_pages = v_pages.view(np.uint16)
     nq = len(query_pos)
+    if nq > 1 and tiled:
+        rest = _multiquery.attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
+                                       window, out, mode=mode, split_tokens=split_tokens)
+        if len(rest) < nq:
+            if len(rest):
+                sub = _paged_decode_attention_unchecked(q[rest], k_pages, v_pages, page_indices, page_indptr,
+                                                        query_seq[rest], query_pos[rest], scale, window,
+                                                        np.empty((len(rest),) + out.shape[1:], out.dtype),
+                                                        mode=mode, split_tokens=split_tokens, tiled=False)
+                out[rest] = sub
+            return out
     if nq == 1:
         p1 = int(query_pos[0]) + 1
         work = min(p1, window) if window else p1
