@@ -28,6 +28,7 @@ import numpy as np
 import numba
 
 from . import kernels as _kernels
+from . import multiquery as _multiquery
 
 # Dispatch thresholds (measured, see docs/kernel.md)
 SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
@@ -194,7 +195,7 @@ def _input_error(code, bad, q, compute, page_indices, page_indptr, query_seq, qu
 
 
 def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
-                                      scale, window, out, *, mode=0, split_tokens=0):
+                                      scale, window, out, *, mode=0, split_tokens=0, tiled=True):
     """The kernel call with no checks, for callers that validated already (the Decoder).
 
     Requires: q C-contiguous in the compute dtype (float32 for float16/float32 storage, float64 for float64),
@@ -203,11 +204,24 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
     position backed by a valid page. Returns out.
 
     mode (testing / tuning): 0 = choose, 1 = serial, 2 = parallel. split_tokens > 0 (parallel) forces key-range
-    splits of that many tokens (rounded up to whole blocks of ~64 tokens); 0 = choose."""
+    splits of that many tokens (rounded up to whole blocks of ~64 tokens); 0 = choose. tiled: runs of queries of
+    one sequence at consecutive positions go to the tiled multi-query kernel (`decode.multiquery`); False: every
+    query through the single-query kernel."""
     if k_pages.dtype == np.float16:
         k_pages = k_pages.view(np.uint16)
         v_pages = v_pages.view(np.uint16)
     nq = len(query_pos)
+    if nq > 1 and tiled:
+        rest = _multiquery.attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
+                                       window, out, mode=mode, split_tokens=split_tokens)
+        if len(rest) < nq:
+            if len(rest):
+                sub = _paged_decode_attention_unchecked(q[rest], k_pages, v_pages, page_indices, page_indptr,
+                                                        query_seq[rest], query_pos[rest], scale, window,
+                                                        np.empty((len(rest),) + out.shape[1:], out.dtype),
+                                                        mode=mode, split_tokens=split_tokens, tiled=False)
+                out[rest] = sub
+            return out
     if nq == 1:
         p1 = int(query_pos[0]) + 1
         work = min(p1, window) if window else p1

@@ -58,6 +58,9 @@ class Decoder:
     def _attach(self, cache: KVCache, new_seq, num_q_heads, scale, window) -> None:
         """Check the arguments, then take the sequence ``new_seq()`` (so a bad argument leaves the cache as it was)."""
         cfg = cache.config
+        if cfg.quantized:                        # until decode/kernels/int8.py lands (issue 11)
+            raise TypeError("dtype: expected float16, float32 or float64 for a Decoder (int8 attention is not "
+                            "implemented yet), got int8")
         num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
         if num_q_heads % cfg.num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")

@@ -5,9 +5,9 @@ Knows nothing of attention; `decode` reads it through this public API.
 from .allocator import PageAllocator
 from .cache import KVCache
 from .config import CacheConfig
-from .errors import CacheFullError, InjectedFault
+from .errors import CacheFullError, InjectedFault, ScaleOverflowError
 from .faults import FaultInjector
 from .transaction import Transaction
 
 __all__ = ["KVCache", "CacheConfig", "CacheFullError", "InjectedFault", "FaultInjector", "PageAllocator",
-           "Transaction"]
+           "ScaleOverflowError", "Transaction"]

@@ -23,11 +23,12 @@ from collections import Counter
 import numpy as np
 
 from .allocator import PageAllocator
-from .checks import as_float_array, cast_to_storage, check_int, check_shape
+from .checks import as_float_array, check_int, check_shape
 from .config import CacheConfig
 from .faults import no_fault
 from .journal import Journal
 from .sequence import Sequence
+from .storage import PagePool
 from .token import TokenWrite
 from .transaction import Transaction
 
@@ -39,7 +40,8 @@ class KVCache:
     ----------
     num_layers, num_kv_heads, head_dim : int
     head_dim_v : int or None      V head size (None: same as head_dim)
-    dtype : "float16" | "float32" | "float64"   storage dtype
+    dtype : "float16" | "float32" | "float64" | "int8"   storage dtype (int8: quantized on write with a
+                                  float16 scale per 32 values, `kvcache.quant`; reads dequantize)
     page_size : int               tokens per page
     num_pages / max_tokens : int  pool size (give exactly one; max_tokens is rounded up to whole pages)
     """
@@ -49,8 +51,8 @@ class KVCache:
         self.config = cfg = CacheConfig.build(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                               head_dim_v=head_dim_v, page_size=page_size, num_pages=num_pages,
                                               max_tokens=max_tokens, dtype=dtype)
-        self._k = np.zeros((cfg.num_layers,) + cfg.k_page_shape, dtype=cfg.dtype)   # lazily backed by the OS
-        self._v = np.zeros((cfg.num_layers,) + cfg.v_page_shape, dtype=cfg.dtype)
+        self._pool = PagePool(cfg)                 # the page arrays (values, int8 scales) and their byte operations
+        self._k, self._v = self._pool.k, self._pool.v
         self.allocator = PageAllocator(cfg.num_pages)
         self._sequences: dict[int, Sequence] = {}
         self._next_id = 0
@@ -76,14 +78,33 @@ class KVCache:
         """``[num_pages, num_kv_heads, page_size, head_dim_v]`` V pages of ``layer`` (a view; do not write)."""
         return self._v[check_int("layer", layer, maximum=self.config.num_layers - 1)]
 
+    def k_scales(self, layer: int = 0) -> np.ndarray | None:
+        """int8 storage: ``float16 [num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]`` K scales of
+        ``layer`` (a view; do not write); None for the float dtypes."""
+        layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
+        return None if self._pool.k_scales is None else self._pool.k_scales[layer]
+
+    def v_scales(self, layer: int = 0) -> np.ndarray | None:
+        """int8 storage: ``float16 [num_pages, num_kv_heads, page_size, ceil(head_dim_v / 32)]`` V scales of
+        ``layer`` (a view; do not write); None for the float dtypes."""
+        layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
+        return None if self._pool.v_scales is None else self._pool.v_scales[layer]
+
+    @property
+    def page_arrays(self) -> tuple[np.ndarray, ...]:
+        """Every preallocated page array, all layers: ``(k, v)``, and for int8 ``(k, v, k_scales, v_scales)``
+        (read-only use: memory accounting)."""
+        return self._pool.arrays
+
     @property
     def num_free_pages(self) -> int:
         return self.allocator.num_free_pages
 
     @property
     def pool_nbytes(self) -> int:
-        """Bytes of the preallocated K and V page arrays, all layers (virtual size: lazily backed by the OS)."""
-        return self._k.nbytes + self._v.nbytes
+        """Bytes of the preallocated K and V page arrays (int8: and their scales), all layers (virtual size:
+        lazily backed by the OS)."""
+        return self._pool.nbytes
 
     @property
     def sequences(self) -> tuple[int, ...]:
@@ -125,7 +146,8 @@ class KVCache:
 
     # -- append -------------------------------------------------------------------------------------------
     def check_kv(self, k, v, num_tokens: int | None = None, *, layered: bool = True):
-        """Validate K/V and cast them to the storage dtype (finite after the cast).
+        """Validate K/V and cast them to the storage dtype (finite after the cast); for int8 storage check them
+        finite and within `kvcache.quant.MAX_ABS` (`ScaleOverflowError`) and keep them float (writes quantize).
 
         ``layered``: ``k [num_layers, T, num_kv_heads, head_dim]`` (``[T, ...]`` accepted for one layer);
         otherwise one layer's ``k [T, num_kv_heads, head_dim]``. ``v`` likewise with ``head_dim_v``.
@@ -142,7 +164,7 @@ class KVCache:
             num_tokens = k.shape[len(lead)]
         check_shape("k", k, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim), labels + "head_dim]")
         check_shape("v", v, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim_v), labels + "head_dim_v]")
-        return cast_to_storage("k", k, cfg.dtype), cast_to_storage("v", v, cfg.dtype)
+        return self._pool.check("k", k), self._pool.check("v", v)
 
     def append(self, seq: int, k, v) -> None:
         """Append T tokens to ``seq`` in every layer: ``k [num_layers, T, num_kv_heads, head_dim]``,
@@ -208,9 +230,7 @@ class KVCache:
         """Give ``s`` a private copy (all layers) of its shared page at ``logical``."""
         old_page = int(s.table[logical])
         self._fault_hook("cow_copy")
-        for pool in (self._k, self._v):
-            journal.save_bytes(pool[:, new_page])
-            pool[:, new_page] = pool[:, old_page]
+        self._pool.copy_page(old_page, new_page, journal)
         s.table[logical] = new_page
         journal.record(lambda: s.table.__setitem__(logical, old_page))
         # Keep the reference to the old page until commit: a rollback points ``s`` back at it, so nobody else
@@ -227,12 +247,8 @@ class KVCache:
             position = start + done
             offset = position % size
             count = min(size - offset, total - done)
-            page = table[position // size]
-            for name, pool, src in (("write_k", self._k, k), ("write_v", self._v, v)):
-                self._fault_hook(name)
-                dst = pool[layer, page, :, offset:offset + count]          # [H, count, D]
-                journal.save_bytes(dst)
-                dst[...] = src[done:done + count].swapaxes(0, 1)          # [count, H, D] -> [H, count, D]
+            self._pool.write(layer, table[position // size], offset, k[done:done + count].swapaxes(0, 1),
+                             v[done:done + count].swapaxes(0, 1), self._fault_hook, journal)   # [H, count, D]
             done += count
 
     def _publish(self, num_tokens: dict[int, int], start: dict[int, int]) -> None:
@@ -327,18 +343,13 @@ class KVCache:
     def gather(self, seq: int, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Dense copies of what ``seq`` can read in ``layer``: ``K [length - first, num_kv_heads, head_dim]``,
         ``V [length - first, num_kv_heads, head_dim_v]`` for positions ``first = first_position(seq) ..
-        length - 1``, in the storage dtype."""
+        length - 1``, in the storage dtype (int8: dequantized to float32)."""
         layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
         with self._lock:
             s = self._sequence(seq)
             pages = s.table[s.first_live_page: self.config.pages_for(s.length)]
             count = s.length - s.first_live_page * self.config.page_size
-        return tuple(self._dense(pool[layer, pages], count) for pool in (self._k, self._v))
-
-    @staticmethod
-    def _dense(pages: np.ndarray, count: int) -> np.ndarray:
-        n, heads, size, dim = pages.shape                                    # [n, H, page_size, D]
-        return pages.transpose(0, 2, 1, 3).reshape(n * size, heads, dim)[:count].copy()   # [tokens, H, D]
+        return self._pool.dense(layer, pages, count)
 
     # -- checking -----------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -357,11 +368,11 @@ class KVCache:
                 assert ((live >= 0) & (live < cfg.num_pages)).all(), f"seq {seq}: page ids out of range {live}"
 
     def fingerprint(self) -> str:
-        """sha256 over every pool byte and all metadata (free list order, ref counts, tables, lengths)."""
+        """sha256 over every pool byte (int8: the scales too) and all metadata (free list order, ref counts,
+        tables, lengths)."""
         h = hashlib.sha256()
         with self._lock:
-            h.update(self._k.tobytes())
-            h.update(self._v.tobytes())
+            self._pool.update_hash(h)
             h.update(repr((self.allocator.free_list(), self.allocator.ref_counts(), self._next_id)).encode())
             for seq, s in sorted(self._sequences.items()):
                 h.update(repr((seq, s.length, s.first_live_page, s.busy, s.pages().tolist(), s.held)).encode())

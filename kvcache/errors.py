@@ -29,3 +29,8 @@ class CacheFullError(RuntimeError):
 
 class InjectedFault(RuntimeError):
     """Raised by a `kvcache.faults.FaultInjector` at a chosen fault point (tests only)."""
+
+
+class ScaleOverflowError(ValueError):
+    """An input row of an int8 cache holds a value too large for its group's float16 scale
+    (``|x| > kvcache.quant.MAX_ABS``); nothing was changed. A ValueError: it is bad input."""

@@ -45,17 +45,14 @@ class TokenWrite:
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` in ``layer``; a failure rolls
         the token back. They must be validated already (shape, float dtype, finite once cast to the storage
-        dtype): the assignment into the pool casts them."""
+        dtype; int8: within `kvcache.quant.MAX_ABS`): the write into the pool casts (or quantizes) them."""
         cache = self.cache
         try:
             self._require_open()
             if type(layer) is not int or not 0 <= layer < cache.config.num_layers:
                 layer = check_int("layer", layer, maximum=cache.config.num_layers - 1)
-            for name, pool, src in (("write_k", cache._k, k), ("write_v", cache._v, v)):
-                cache._fault_hook(name)
-                dst = pool[layer, self.page, :, self.offset]                  # [num_kv_heads, head_dim]
-                self._saved.append((dst, dst.copy()))
-                dst[...] = src
+            cache._pool.write(layer, self.page, self.offset, k[:, None], v[:, None], cache._fault_hook,
+                              saved=self._saved)                          # [num_kv_heads, 1, head_dim]
             self._written |= 1 << layer
         except BaseException:
             self.rollback()
