@@ -31,7 +31,8 @@ class Decoder:
     ----------
     num_q_heads, num_kv_heads, head_dim : int   num_q_heads must be a multiple of num_kv_heads (GQA / MQA)
     head_dim_v : int or None                    V head size (None: head_dim)
-    dtype : "float16" | "float32" | "float64"   storage dtype; outputs are float32 (float64 for float64)
+    dtype : "float16" | "float32" | "float64" | "int8"   storage dtype; outputs are float32 (float64 for
+                                                float64); int8 quantizes on write (`kvcache.quant`)
     page_size, max_tokens : int                 a private pool of ceil(max_tokens / page_size) pages
     scale : float or None                       score scale (None: 1 / sqrt(head_dim))
     window : int or None                        sliding window: position p reads keys in (p - window, p];
@@ -86,9 +87,6 @@ class Decoder:
     def _attach(self, cache: KVCache, new_seq, num_q_heads, scale, window) -> None:
         """Check the arguments, then take the sequence ``new_seq()`` (so a bad argument leaves the cache as it was)."""
         cfg = cache.config
-        if cfg.quantized:                        # until decode/kernels/int8.py lands (issue 11)
-            raise TypeError("dtype: expected float16, float32 or float64 for a Decoder (int8 attention is not "
-                            "implemented yet), got int8")
         num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
         if num_q_heads % cfg.num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")
@@ -114,6 +112,8 @@ class Decoder:
         self._out_shape1 = (1, num_q_heads, cfg.head_dim_v)
         self._k_pages = [cache.k_pages(layer) for layer in range(cfg.num_layers)]   # views; the pool never moves
         self._v_pages = [cache.v_pages(layer) for layer in range(cfg.num_layers)]
+        self._k_scales = [cache.k_scales(layer) for layer in range(cfg.num_layers)]   # int8 only, else None
+        self._v_scales = [cache.v_scales(layer) for layer in range(cfg.num_layers)]
 
     # -- state --------------------------------------------------------------------------------------------
     @property
@@ -127,7 +127,8 @@ class Decoder:
 
     def kv(self, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Dense copies ``K [length, num_kv_heads, head_dim]``, ``V [length, num_kv_heads, head_dim_v]`` in the
-        storage dtype (from `first_position` on, once a sliding window released older pages)."""
+        storage dtype (int8: dequantized to float32; from `first_position` on, once a sliding window released
+        older pages)."""
         return self.cache.gather(self.seq, layer)
 
     # -- single-layer API ---------------------------------------------------------------------------------
@@ -227,7 +228,8 @@ class Decoder:
         self._qpos[0] = position
         out = np.empty(self._out_shape1, dtype=self.q_dtype)
         _paged_decode_attention_unchecked(q[None], self._k_pages[layer], self._v_pages[layer], indices, self._indptr,
-                                          self._query_seq1, self._qpos, self.scale, self.window, out)
+                                          self._query_seq1, self._qpos, self.scale, self.window, out,
+                                          k_scales=self._k_scales[layer], v_scales=self._v_scales[layer])
         return out[0]
 
     # -- checks -------------------------------------------------------------------------------------------
@@ -271,8 +273,7 @@ class Decoder:
         check_shape("v", v, self._v_shape, "[num_kv_heads, head_dim_v]")
         given = q, k, v                                # errors name the caller's values at the caller's [H, D] index
         q = cast_to_storage("q", q, self.q_dtype)
-        storage = self.config.dtype
-        k, v = cast_to_storage("k", k, storage), cast_to_storage("v", v, storage)
+        k, v = self.cache.check_storable("k", k), self.cache.check_storable("v", v)
         check_magnitude("q", given[0], self._q_limit, self.q_dtype)
         self._check_kv_magnitude(*given[1:])
         return np.ascontiguousarray(q), k, v
@@ -416,7 +417,8 @@ class DecoderTransaction:
             np.cumsum([len(t) for t in tables], out=indptr[1:])
         out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
         _paged_decode_attention_unchecked(q, dec._k_pages[layer], dec._v_pages[layer], indices, indptr,
-                                          query_seq, query_pos, dec.scale, dec.window, out)
+                                          query_seq, query_pos, dec.scale, dec.window, out,
+                                          k_scales=dec._k_scales[layer], v_scales=dec._v_scales[layer])
         return out
 
 
