@@ -29,6 +29,7 @@ import numpy as np
 import numba
 
 from . import kernels as _kernels
+from . import multiquery as _multiquery
 
 # Dispatch thresholds (measured, see docs/kernel.md)
 SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
@@ -262,7 +263,7 @@ def plan_decode(query_pos, window, q_shape, v_pages) -> DecodePlan:
 
 
 def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
-                                      scale, window, out, *, mode=0, split_tokens=0):
+                                      scale, window, out, *, mode=0, split_tokens=0, tiled=True):
     """The kernel call with no checks, for callers that validated already (the Decoder).
 
     Requires: q C-contiguous in the compute dtype (float32 for float16/float32 storage, float64 for float64),
@@ -271,7 +272,24 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
     position backed by a valid page. Returns out.
 
     mode (testing / tuning): 0 = choose, 1 = serial, 2 = parallel. split_tokens > 0 (parallel) forces key-range
-    splits of that many tokens (rounded up to whole blocks); 0 = choose."""
+    splits of that many tokens (rounded up to whole blocks); 0 = choose. tiled: runs of queries of one sequence at
+    consecutive positions go to the tiled multi-query kernel (`decode.multiquery`); False: every query through
+    the single-query kernel."""
+    if k_pages.dtype == np.float16:
+        k_pages = k_pages.view(np.uint16)
+        v_pages = v_pages.view(np.uint16)
+    nq = len(query_pos)
+    if nq > 1 and tiled:
+        rest = _multiquery.attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
+                                       window, out, mode=mode, split_tokens=split_tokens)
+        if len(rest) < nq:
+            if len(rest):
+                sub = _paged_decode_attention_unchecked(q[rest], k_pages, v_pages, page_indices, page_indptr,
+                                                        query_seq[rest], query_pos[rest], scale, window,
+                                                        np.empty((len(rest),) + out.shape[1:], out.dtype),
+                                                        mode=mode, split_tokens=split_tokens, tiled=False)
+                out[rest] = sub
+            return out
     _, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, head_dim_v = v_pages.shape
     plan = DecodePlan(query_pos, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, page_size, q.dtype,

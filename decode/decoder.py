@@ -55,9 +55,40 @@ class Decoder:
         self._attach(cache, cache.create_sequence, num_q_heads, scale, window)
         return self
 
+    @classmethod
+    def from_prefix(cls, cache: KVCache, num_q_heads, token_ids, *, namespace=None, scale=None,
+                    window=None) -> tuple["Decoder", int]:
+        """A decoder of a new sequence holding the longest prefix of ``token_ids [N]`` cached in ``cache`` (a
+        `KVCache` with ``prefix_caching=True``), in whole pages, at most N - 1 tokens. Returns ``(decoder,
+        num_hit)``: the remaining ``token_ids[num_hit:]`` are still to be computed (``extend(..., token_ids=
+        token_ids[num_hit:])``)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a kvcache.KVCache, got {type(cache).__name__}")
+        self, hit = cls.__new__(cls), []
+
+        def new_seq():
+            match = cache.match_prefix(token_ids, namespace=namespace)
+            hit.append(match.num_tokens)
+            return match.seq
+        self._attach(cache, new_seq, num_q_heads, scale, window)
+        return self, hit[0]
+
+    @classmethod
+    def on_sequence(cls, cache: KVCache, seq: int, num_q_heads, *, scale=None, window=None) -> "Decoder":
+        """A decoder of the existing sequence ``seq`` of ``cache`` (a loaded snapshot's, say)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a kvcache.KVCache, got {type(cache).__name__}")
+        cache.length(seq)                                        # names a bad id
+        self = cls.__new__(cls)
+        self._attach(cache, lambda: seq, num_q_heads, scale, window)
+        return self
+
     def _attach(self, cache: KVCache, new_seq, num_q_heads, scale, window) -> None:
         """Check the arguments, then take the sequence ``new_seq()`` (so a bad argument leaves the cache as it was)."""
         cfg = cache.config
+        if cfg.quantized:                        # until decode/kernels/int8.py lands (issue 11)
+            raise TypeError("dtype: expected float16, float32 or float64 for a Decoder (int8 attention is not "
+                            "implemented yet), got int8")
         num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
         if num_q_heads % cfg.num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")
@@ -100,15 +131,16 @@ class Decoder:
         return self.cache.gather(self.seq, layer)
 
     # -- single-layer API ---------------------------------------------------------------------------------
-    def step(self, q, k, v) -> np.ndarray:
+    def step(self, q, k, v, *, token_ids=None) -> np.ndarray:
         """Append one token's ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` at position
         `length`, then return ``[num_q_heads, head_dim_v]``: ``q [num_q_heads, head_dim]`` attending over
-        positions ``0 .. length`` (the new token included).
+        positions ``0 .. length`` (the new token included). ``token_ids``: the token's id (an int or ``[1]``),
+        for prefix caching.
 
         The lean path: one jitted input check, the cache's single-token slot, the write and one kernel call."""
         self._single_layer("step")
         q, k, v = self._check_token(q, k, v)
-        token = self.cache.begin_token(self.seq)
+        token = self.cache.begin_token(self.seq, token_id=token_ids)
         try:
             out = self._attend_token(token, 0, q, k, v)
             token.commit()
@@ -119,22 +151,24 @@ class Decoder:
             self._release_after_commit()
         return out
 
-    def extend(self, q, k, v) -> np.ndarray:
+    def extend(self, q, k, v, *, token_ids=None) -> np.ndarray:
         """Append T tokens and attend with T queries: ``q [T, num_q_heads, head_dim]``,
         ``k [T, num_kv_heads, head_dim]``, ``v [T, num_kv_heads, head_dim_v]`` -> ``[T, num_q_heads, head_dim_v]``.
-        Query i sits at position ``start + i`` (start = `length` before the call) and reads keys ``<= start + i``."""
+        Query i sits at position ``start + i`` (start = `length` before the call) and reads keys ``<= start + i``.
+        ``token_ids [T]`` (optional): the tokens' ids, for prefix caching."""
         self._single_layer("extend")
-        with self.transaction(self._num_tokens(k)) as tx:
+        with self.transaction(self._num_tokens(k), token_ids=token_ids) as tx:
             return tx.extend(0, q, k, v)
 
-    def append(self, k, v) -> None:
-        """Append T tokens of K/V with no query (a prefill computed elsewhere): ``k [T, num_kv_heads, head_dim]``."""
+    def append(self, k, v, *, token_ids=None) -> None:
+        """Append T tokens of K/V with no query (a prefill computed elsewhere): ``k [T, num_kv_heads, head_dim]``;
+        ``token_ids [T]`` (optional) for prefix caching."""
         self._single_layer("append")
-        with self.transaction(self._num_tokens(k)) as tx:
+        with self.transaction(self._num_tokens(k), token_ids=token_ids) as tx:
             tx.append(0, k, v)
 
     # -- all layers ---------------------------------------------------------------------------------------
-    def transaction(self, num_tokens: int = 1) -> "DecoderTransaction":
+    def transaction(self, num_tokens: int = 1, *, token_ids=None) -> "DecoderTransaction":
         """Reserve ``num_tokens`` positions in every layer; write and attend layer by layer inside it::
 
             with dec.transaction(1) as tx:
@@ -142,8 +176,9 @@ class Decoder:
                     out = tx.step(layer, q[layer], k[layer], v[layer])
 
         The tokens become visible (``length`` grows) when the block exits normally; on any exception every
-        layer's write is undone."""
-        return DecoderTransaction([self], {self.seq: check_int("num_tokens", num_tokens)})
+        layer's write is undone. ``token_ids [num_tokens]`` (optional): the tokens' ids, for prefix caching."""
+        ids = None if token_ids is None else {self.seq: token_ids}
+        return DecoderTransaction([self], {self.seq: check_int("num_tokens", num_tokens)}, ids)
 
     def truncate(self, n: int) -> None:
         """Prefix invalidation: keep positions ``[0, n)``; later appends write from ``n``."""
@@ -269,16 +304,16 @@ class DecoderTransaction:
     One token of one decoder goes through the cache's lean single-token path (`KVCache.begin_token`);
     anything larger through a general `kvcache.Transaction`."""
 
-    def __init__(self, decoders: list[Decoder], num_tokens: dict[int, int]):
+    def __init__(self, decoders: list[Decoder], num_tokens: dict[int, int], token_ids: dict | None = None):
         self.decoders = decoders
         self.cache = cache = decoders[0].cache
         self.num_tokens = num_tokens
         self._single_token = len(decoders) == 1 and num_tokens[decoders[0].seq] == 1
         if self._single_token:
-            self._tx = cache.begin_token(decoders[0].seq)
+            self._tx = cache.begin_token(decoders[0].seq, token_id=(token_ids or {}).get(decoders[0].seq))
             self.start = [self._tx.position]
         else:
-            self._tx = cache.transaction(num_tokens)
+            self._tx = cache.transaction(num_tokens, token_ids=token_ids)
             self.start = [self._tx.start[d.seq] for d in decoders]
         self._open = True
 
@@ -392,9 +427,10 @@ def raise_released(cache: KVCache, seq: int, first: int, position: int):
                      f"{position}), got positions < {cache.first_position(seq)} released (KVCache.release_before)")
 
 
-def batch_transaction(decoders) -> DecoderTransaction:
+def batch_transaction(decoders, *, token_ids=None) -> DecoderTransaction:
     """One token for each of ``decoders`` (distinct sequences of one shared pool), written layer by layer;
-    ``tx.step(layer, q, k, v)`` decodes all of them in one kernel call. All or none of the tokens land."""
+    ``tx.step(layer, q, k, v)`` decodes all of them in one kernel call. All or none of the tokens land.
+    ``token_ids [B]`` (optional): each decoder's token id, for prefix caching."""
     decoders = list(decoders)
     if not decoders or not all(isinstance(d, Decoder) for d in decoders):
         raise TypeError(f"decoders: expected a non-empty list of Decoder, got {decoders!r}")
@@ -408,10 +444,15 @@ def batch_transaction(decoders) -> DecoderTransaction:
     seqs = [d.seq for d in decoders]
     if len(set(seqs)) != len(seqs):
         raise ValueError(f"decoders: expected distinct sequences, got sequence ids {seqs}")
-    return DecoderTransaction(decoders, {seq: 1 for seq in seqs})
+    if token_ids is not None:
+        if np.ndim(token_ids) != 1 or len(token_ids) != len(seqs):
+            raise ValueError(f"token_ids: expected one token id per decoder ({len(seqs)}), got shape "
+                             f"{np.shape(token_ids)}")
+        token_ids = {seq: [token_ids[i]] for i, seq in enumerate(seqs)}
+    return DecoderTransaction(decoders, {seq: 1 for seq in seqs}, token_ids)
 
 
-def batch_step(decoders, q, k, v) -> np.ndarray:
+def batch_step(decoders, q, k, v, *, token_ids=None) -> np.ndarray:
     """Continuous batching on a one-layer pool: append one token to each decoder and attend, in one kernel call.
 
     ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``, ``v [B, num_kv_heads, head_dim_v]``
@@ -420,5 +461,5 @@ def batch_step(decoders, q, k, v) -> np.ndarray:
     decoders = list(decoders)
     if decoders and isinstance(decoders[0], Decoder):
         decoders[0]._single_layer("batch_step")
-    with batch_transaction(decoders) as tx:
+    with batch_transaction(decoders, token_ids=token_ids) as tx:
         return tx.step(0, q, k, v)

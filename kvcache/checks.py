@@ -3,7 +3,7 @@ import numbers
 
 import numpy as np
 
-STORAGE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+STORAGE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int8))
 
 
 def check_int(name: str, value, *, minimum: int = 0, maximum: int | None = None) -> int:
@@ -18,14 +18,15 @@ def check_int(name: str, value, *, minimum: int = 0, maximum: int | None = None)
 
 
 def check_storage_dtype(name: str, dtype) -> np.dtype:
-    """Return the numpy dtype for "float16" / "float32" / "float64" (or the numpy types)."""
+    """Return the numpy dtype for "float16" / "float32" / "float64" / "int8" (or the numpy types); int8 is the
+    quantized format of `kvcache.quant` (inputs stay float)."""
     try:
         resolved = None if dtype is None else np.dtype(dtype)    # np.dtype(None) would be float64
     except TypeError:
         resolved = None
     # not `resolved not in STORAGE_DTYPES`: `np.dtype("float64") == None` is True, so None would pass
     if resolved is None or not any(resolved == d for d in STORAGE_DTYPES):
-        raise TypeError(f"{name}: expected one of float16, float32, float64, got {dtype!r}")
+        raise TypeError(f"{name}: expected one of float16, float32, float64, int8, got {dtype!r}")
     return resolved
 
 

@@ -3,13 +3,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import quant
 from .checks import check_int, check_storage_dtype
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """Layout of one pool: every layer has K pages ``[num_pages, num_kv_heads, page_size, head_dim]`` and
-    V pages ``[num_pages, num_kv_heads, page_size, head_dim_v]`` in the storage ``dtype``.
+    V pages ``[num_pages, num_kv_heads, page_size, head_dim_v]`` in the storage ``dtype`` (int8: plus float16
+    scale arrays ``[num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]``, see `kvcache.quant`).
 
     The head-major page layout (heads outside tokens) keeps each head's keys of a page contiguous, so the
     decode kernel streams ``page_size * head_dim`` elements per (page, head); it measured 1.3-2.5x faster
@@ -54,10 +56,24 @@ class CacheConfig:
         return (self.num_pages, self.num_kv_heads, self.page_size, self.head_dim_v)
 
     @property
+    def quantized(self) -> bool:
+        """int8 storage: values plus float16 scales per 32 values (`kvcache.quant`)."""
+        return self.dtype == quant.VALUE_DTYPE
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """Bytes of the int8 scales of one token over all layers (0 for the float dtypes): one float16 per
+        group of 32 values of each kv head's K row and V row."""
+        if not self.quantized:
+            return 0
+        groups = quant.num_groups(self.head_dim) + quant.num_groups(self.head_dim_v)
+        return self.num_layers * self.num_kv_heads * groups * quant.SCALE_DTYPE.itemsize
+
+    @property
     def bytes_per_token(self) -> int:
-        """K and V bytes of one token over all layers."""
+        """K and V bytes of one token over all layers (int8: the values plus their scales)."""
         return (self.num_layers * self.num_kv_heads * (self.head_dim + self.head_dim_v)
-                * self.dtype.itemsize)
+                * self.dtype.itemsize) + self.scale_bytes_per_token
 
     @property
     def bytes_per_page(self) -> int:

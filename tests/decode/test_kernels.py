@@ -91,12 +91,14 @@ class Scene:
                 self.query_pos)
 
     def run(self, mode=0, split_tokens=0, scale=None):
+        """The single-query kernel on every query (tiled=False: runs of queries are not routed to the
+        multi-query kernel, which tests/decode/test_multiquery.py covers)."""
         scale = self.scale if scale is None else scale
         out = np.empty((len(self.q), self.q.shape[1], self.v_pages.shape[3]),
                        dtype=F64 if self.dtype == F64 else F32)
         q = self.q.astype(out.dtype)
         return _paged_decode_attention_unchecked(q, *self.args()[1:], scale, self.window, out, mode=mode,
-                                                 split_tokens=split_tokens)
+                                                 split_tokens=split_tokens, tiled=False)
 
     def reference(self, dtype=np.float64, scale=None):
         scale = self.scale if scale is None else scale

@@ -1,13 +1,15 @@
 """Shared helpers of the kvcache tests: a plain dense model of what each sequence holds, and checks.
 
 The dense model keeps, per sequence, Python lists of numpy rows (one ``[num_kv_heads, head_dim]`` row per
-token and layer), already cast to the storage dtype, plus the first position still held (sliding window).
+token and layer), already cast to the storage dtype (int8: quantized and dequantized to float32 by the rule of
+`kvcache.quant`, one row at a time), plus the first position still held (sliding window).
 It knows nothing of pages: comparing `KVCache.gather` with it checks the paging bit for bit.
 """
 import numpy as np
 import pytest
 
 import kvcache
+from kvcache import quant
 
 
 def make_cache(*, num_layers=1, num_kv_heads=2, head_dim=3, head_dim_v=None, page_size=4, num_pages=8,
@@ -43,10 +45,16 @@ class DenseModel:
 
     def append(self, seq: int, k: np.ndarray, v: np.ndarray) -> None:
         """``k [num_layers, T, H, D]`` (any float dtype; cast here like the cache does)."""
-        dtype = self.cfg.dtype
         for layer in range(self.cfg.num_layers):
-            self.k[seq][layer].extend(np.asarray(k[layer]).astype(dtype))
-            self.v[seq][layer].extend(np.asarray(v[layer]).astype(dtype))
+            self.k[seq][layer].extend(self._stored(np.asarray(k[layer])))
+            self.v[seq][layer].extend(self._stored(np.asarray(v[layer])))
+
+    def _stored(self, rows: np.ndarray) -> np.ndarray:
+        """What the cache gives back for ``rows [T, H, D]``: cast to the storage dtype, or for int8 each
+        ``[H, D]`` row quantized on its own and dequantized to float32."""
+        if self.cfg.quantized:
+            return np.array([quant.dequantize(*quant.quantize(row)) for row in rows], dtype=np.float32)
+        return rows.astype(self.cfg.dtype)
 
     def truncate(self, seq: int, n: int) -> None:
         for layer in range(self.cfg.num_layers):
@@ -74,8 +82,9 @@ class DenseModel:
         cfg = self.cfg
         first = self.first[seq]
         k_rows, v_rows = self.k[seq][layer][first:], self.v[seq][layer][first:]
-        k = np.array(k_rows, dtype=cfg.dtype).reshape(len(k_rows), cfg.num_kv_heads, cfg.head_dim)
-        v = np.array(v_rows, dtype=cfg.dtype).reshape(len(v_rows), cfg.num_kv_heads, cfg.head_dim_v)
+        dtype = np.float32 if cfg.quantized else cfg.dtype
+        k = np.array(k_rows, dtype=dtype).reshape(len(k_rows), cfg.num_kv_heads, cfg.head_dim)
+        v = np.array(v_rows, dtype=dtype).reshape(len(v_rows), cfg.num_kv_heads, cfg.head_dim_v)
         return k, v
 
 

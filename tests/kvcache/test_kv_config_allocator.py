@@ -67,14 +67,16 @@ def test_numpy_integers_accepted():
     assert all(type(x) is int for x in (cfg.num_kv_heads, cfg.head_dim, cfg.num_pages))
 
 
-@pytest.mark.parametrize("dtype", ["int32", np.int8, bool, "complex64", "bfloat16", object, "float128x", None])
+@pytest.mark.parametrize("dtype", ["int32", np.uint8, "int16", bool, "complex64", "bfloat16", object, "float128x",
+                                   None])
 def test_non_float_storage_dtypes_rejected(dtype):
-    with pytest.raises(TypeError, match=r"^dtype: expected one of float16, float32, float64, got "):
+    with pytest.raises(TypeError, match=r"^dtype: expected one of float16, float32, float64, int8, got "):
         CacheConfig.build(num_kv_heads=1, head_dim=1, num_pages=1, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype, expected", [("float16", np.float16), (np.float32, np.float32),
-                                             (float, np.float64), ("f8", np.float64)])
+                                             (float, np.float64), ("f8", np.float64), ("int8", np.int8),
+                                             (np.int8, np.int8)])
 def test_storage_dtypes_accepted(dtype, expected):
     assert CacheConfig.build(num_kv_heads=1, head_dim=1, num_pages=1, dtype=dtype).dtype == np.dtype(expected)
 
@@ -200,7 +202,7 @@ def test_allocator_check_invariants_detects_corruption():
         alloc.check_invariants([[0, 1], [0]])
     alloc._free.pop()
     alloc._free.pop()                                 # a page neither free nor referenced: leaked
-    with pytest.raises(AssertionError, match=r"free 1 \+ in use 2 != total 4"):
+    with pytest.raises(AssertionError, match=r"free 1 \+ parked 0 \+ in use 2 != total 4"):
         alloc.check_invariants([[0, 1], [0]])
     alloc = PageAllocator(2)
     alloc.allocate(1)

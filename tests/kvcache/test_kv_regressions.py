@@ -11,7 +11,7 @@ from kvcache.checks import check_storage_dtype
 # `resolved not in STORAGE_DTYPES` test and the pool silently became float64 (np.zeros(dtype=None)).
 @pytest.mark.parametrize("dtype", ["bfloat16", "foo", None, "float8"])
 def test_unknown_dtype_names_are_rejected(dtype):
-    with pytest.raises(TypeError, match=r"dtype: expected one of float16, float32, float64, got"):
+    with pytest.raises(TypeError, match=r"dtype: expected one of float16, float32, float64, int8, got"):
         check_storage_dtype("dtype", dtype)
     with pytest.raises(TypeError, match="dtype: expected one of"):
         kvcache.KVCache(num_kv_heads=1, head_dim=2, num_pages=1, dtype=dtype)

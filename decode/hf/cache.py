@@ -1,0 +1,342 @@
+"""`PagedCache`: a `transformers.Cache` whose K/V live in one `kvcache.KVCache` pool (all layers; one pool
+sequence per batch row), attended by our kernels through the "pagedkv" attention implementation.
+
+    cache = PagedCache(model.config, max_tokens=8192, dtype="float32", page_size=16)
+    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+
+transformers sees ``columns`` positions per row (pads included, the same for every row); the pool holds only
+the real tokens of each row (`RowColumns`), so padding never enters the cache or any softmax. `update` stores
+nothing: it returns the new K/V as given and names the cache to the layer's attention call, which writes them
+into the pool and attends over the page tables (`ForwardPlan`: one transaction per forward, committed after the
+last layer). A forward that fails anywhere is rolled back: by the attention call itself, or, when the failure
+was outside our code, at this cache's next use.
+"""
+import contextvars
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvcache import KVCache
+
+from .layout import ModelLayout, layout_of
+from .plan import ForwardPlan
+from .rows import RowColumns
+
+# (cache, layer) whose `update` ran last in this context: the attention call of that layer reads it once
+_CURRENT = contextvars.ContextVar("pagedkv_current_cache", default=None)
+
+
+class PagedLayer(CacheLayerMixin):
+    """transformers' per-layer view of a `PagedCache` (lengths, mask sizes, flags); the state is the cache's."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache: "PagedCache", layer: int):
+        super().__init__()
+        self._cache, self.layer = cache, layer
+        self.is_sliding = bool(cache.layout.windows[layer])
+        self.sliding_window = cache.layout.windows[layer] or None
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache.update(key_states, value_states, self.layer)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def record_past(self) -> bool:
+        return self._cache._record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        self._cache._record_past = bool(value)
+
+
+class PagedCache(Cache):
+    """A transformers cache over a paged pool.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig   the model's config (layers, KV heads, head_dim, sliding windows)
+    max_tokens / num_pages : int             pool capacity over all rows (and forks) together; give one
+    dtype : "float16" | "float32" | "float64"   storage dtype (inputs are converted; outputs come back in the
+                                             model's dtype)
+    page_size : int                          tokens per page
+
+    Attributes
+    ----------
+    pool : kvcache.KVCache                   shared with every `fork` of this cache
+    stats : dict                             ``kernel_calls``, ``forwards``, ``tokens`` (real tokens stored)
+    """
+
+    def __init__(self, config, *, max_tokens=None, num_pages=None, dtype="float32", page_size=16):
+        layout = layout_of(config)
+        pool = KVCache(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                       dtype=dtype, page_size=page_size, num_pages=num_pages, max_tokens=max_tokens)
+        self._setup(layout, pool, None, RowColumns(0))
+
+    def _setup(self, layout: ModelLayout, pool: KVCache, seqs, cols: RowColumns) -> None:
+        self.layout, self.pool = layout, pool
+        super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
+        self._seqs, self._cols = seqs, cols
+        self._plan = None
+        self._record_past = False
+        self.stats = {"kernel_calls": 0, "forwards": 0, "tokens": 0}
+
+    # -- transformers' queries ----------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns seen so far (pads included, as transformers counts them)."""
+        self._settle()
+        return self._cols.columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self, layer_idx=None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._seqs is not None
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self._seqs is None else len(self._seqs)
+
+    def lengths(self) -> list[int]:
+        """Real tokens held for each batch row (its pool sequence's length)."""
+        self._settle()
+        return [] if self._seqs is None else [self.pool.length(s) for s in self._seqs]
+
+    def fingerprint(self) -> str:
+        """`KVCache.fingerprint` of the pool (after rolling back a forward that failed outside our code)."""
+        self._settle()
+        return self.pool.fingerprint()
+
+    def early_initialization(self, *args, **kwargs) -> None:
+        pass
+
+    # -- one forward ----------------------------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Name this cache to ``layer_idx``'s attention call and hand the new states back unchanged (the
+        attention call writes them into the pool: it knows which tokens are padding)."""
+        if layer_idx == 0:
+            self._settle()
+        _CURRENT.set((self, layer_idx))
+        return key_states, value_states
+
+    def attend(self, layer: int, query, key, value, new_real, scale, window: int) -> torch.Tensor:
+        """Write ``layer``'s new K/V and attend (see `ForwardPlan.run_layer`); the first layer of a forward
+        validates and plans it, the last commits it. Any failure rolls the forward back before it propagates."""
+        if self._plan is None:
+            if layer != 0:
+                raise RuntimeError(f"layer: expected a forward to start at layer 0, got layer {layer}")
+            self._begin(query, key, value, new_real)
+        plan = self._plan
+        try:
+            self._check_layer(layer, key, value, window)
+            out = plan.run_layer(layer, query, key, value, scale, window)
+            self.stats["kernel_calls"] += 1
+            if layer == self.layout.num_layers - 1:
+                self._commit(plan)
+            return out
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _begin(self, query, key, value, new_real) -> None:
+        batch, _, width, _ = query.shape
+        if new_real is None:
+            new_real = np.ones((batch, width), dtype=bool)
+        if new_real.shape != (batch, width):
+            raise ValueError(f"attention_mask: expected the new columns' padding mask [batch, new] = "
+                             f"{(batch, width)}, got {tuple(new_real.shape)}")
+        if self._seqs is None:
+            seqs = [self.pool.create_sequence() for _ in range(batch)]
+            try:
+                self._plan = ForwardPlan(self.pool, seqs, new_real)
+            except BaseException:
+                for seq in seqs:
+                    self.pool.free(seq)
+                raise
+            self._seqs, self._cols = seqs, RowColumns(batch)
+        else:
+            if batch != len(self._seqs):
+                raise ValueError(f"input batch: expected {len(self._seqs)} rows (the cache's; change them with "
+                                 f"reorder_cache / batch_select_indices / batch_repeat_interleave), got {batch}")
+            self._plan = ForwardPlan(self.pool, self._seqs, new_real)
+
+    def _check_layer(self, layer: int, key, value, window: int) -> None:
+        lay = self.layout
+        if layer >= lay.num_layers:
+            raise ValueError(f"layer: expected < {lay.num_layers} (the cache's layers), got {layer}")
+        expected = (lay.num_kv_heads, lay.head_dim)
+        for name, x in (("key", key), ("value", value)):
+            if (x.shape[1], x.shape[3]) != expected:
+                raise ValueError(f"{name}: expected [batch, {lay.num_kv_heads} kv heads, new, {lay.head_dim}] "
+                                 f"(the cache was built for {lay.describe()}), got {tuple(x.shape)}")
+        if window != lay.windows[layer]:
+            raise ValueError(f"sliding_window of layer {layer}: expected {lay.windows[layer] or None} (the cache "
+                             f"was built for {lay.describe()}), got {window or None}")
+
+    def _commit(self, plan: ForwardPlan) -> None:
+        plan.commit()
+        self._plan = None
+        self._cols.extend(plan.new_real)
+        self.stats["forwards"] += 1
+        self.stats["tokens"] += plan.num_queries
+        if not self._record_past:
+            self._release_window()
+
+    def _abandon(self) -> None:
+        if self._plan is not None:
+            plan, self._plan = self._plan, None
+            plan.rollback()
+
+    def _settle(self) -> None:
+        """Roll back a forward that failed between our calls (its transaction is still open)."""
+        if self._plan is not None:
+            self._abandon()
+
+    def _release_window(self) -> None:
+        """When every layer slides, give back the pages no future query can read."""
+        window = self.layout.release_window
+        if not window or self._seqs is None:
+            return
+        for seq in self._seqs:
+            keep_from = self.pool.length(seq) - window + 1
+            if keep_from > self.pool.first_position(seq):
+                self.pool.release_before(seq, keep_from)
+
+    # -- rollback, beams, forks -----------------------------------------------------------------------------
+    def activate_past_recording(self) -> None:
+        """Keep sliding-window pages until the next `crop` (assisted decoding may roll tokens back)."""
+        self._record_past = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` columns (transformers' v5 convention: a count <= 0). ``crop(0)``
+        gives back sliding-window pages kept for a rollback."""
+        self._settle()
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
+            raise TypeError(f"tokens_to_remove: expected an int <= 0, got {type(tokens_to_remove).__name__}")
+        if tokens_to_remove > 0:
+            raise ValueError(f"tokens_to_remove: expected a count <= 0 of tokens to remove (transformers v5), got "
+                             f"{tokens_to_remove}")
+        remove = -int(tokens_to_remove)
+        if remove > self._cols.columns:
+            raise ValueError(f"tokens_to_remove: expected at most {self._cols.columns} tokens (the cache's length), "
+                             f"got {remove}")
+        if remove:
+            self._truncate(self._cols.columns - remove)
+        self._release_window()
+
+    def _truncate(self, columns: int) -> None:
+        lengths = self._cols.lengths_after_crop(columns)
+        window = self.layout.release_window
+        for seq, n in zip(self._seqs, lengths):
+            first, needed = self.pool.first_position(seq), max(0, int(n) - window + 1) if window else 0
+            if needed < first:
+                raise ValueError(f"tokens_to_remove: the sliding window already released positions < {first} of a "
+                                 f"row, so it cannot go back to length {n} (call activate_past_recording() before "
+                                 f"forwards that may be cropped)")
+        for seq, n in zip(self._seqs, lengths):
+            self.pool.truncate(seq, int(n))
+        self._cols.crop(columns)
+
+    def reorder_cache(self, beam_idx) -> None:
+        """Row i takes the tokens of row ``beam_idx[i]`` (beam search): pages are shared (fork), never copied;
+        a later write into a shared page copies that page first."""
+        self._select_rows(beam_idx, "beam_idx")
+
+    def batch_select_indices(self, indices) -> None:
+        self._select_rows(indices, "indices")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+            raise ValueError(f"repeats: expected an int >= 1, got {repeats!r}")
+        if self._seqs is not None:
+            self._select_rows(np.repeat(np.arange(len(self._seqs)), int(repeats)), "repeats")
+
+    def _select_rows(self, rows, name: str) -> None:
+        self._settle()
+        if self._seqs is None:
+            raise ValueError(f"{name}: expected a cache holding rows (after a forward), got an empty cache")
+        rows = np.asarray(rows.detach().cpu() if isinstance(rows, torch.Tensor) else rows)
+        if rows.ndim != 1 or rows.dtype.kind not in "iu" or (rows.size and not (
+                0 <= rows.min() and rows.max() < len(self._seqs))):
+            raise ValueError(f"{name}: expected a 1-d integer index of rows in [0, {len(self._seqs)}), got "
+                             f"{rows.tolist() if rows.size < 20 else rows}")
+        rows = rows.astype(np.int64)
+        old = self._seqs
+        owner = {}                                       # old row -> the new row that takes its sequence as is
+        for new, src in enumerate(rows.tolist()):
+            if new == src:
+                owner.setdefault(src, new)
+        for new, src in enumerate(rows.tolist()):
+            owner.setdefault(src, new)
+        seqs = [old[src] if owner[src] == new else self.pool.fork(old[src]) for new, src in enumerate(rows.tolist())]
+        for row, seq in enumerate(old):
+            if row not in owner:
+                self.pool.free(seq)
+        self._seqs, self._cols = seqs, self._cols.select(rows)
+
+    def fork(self) -> "PagedCache":
+        """An independent cache sharing every page of this one (copy-on-write; no K/V copied)."""
+        self._settle()
+        child = PagedCache.__new__(PagedCache)
+        seqs = None if self._seqs is None else [self.pool.fork(s) for s in self._seqs]
+        child._setup(self.layout, self.pool, seqs, self._cols.copy())
+        child._record_past = self._record_past
+        return child
+
+    def __deepcopy__(self, memo) -> "PagedCache":
+        return self.fork()
+
+    def reset(self) -> None:
+        """Free every row; the cache is empty (as new) and takes any batch size at its next forward."""
+        self._settle()
+        self._free_rows()
+        self._cols = RowColumns(0)
+
+    def _free_rows(self) -> None:
+        if self._seqs is not None:
+            seqs, self._seqs = self._seqs, None
+            for seq in seqs:
+                self.pool.free(seq)
+
+    def __del__(self):
+        try:
+            self._abandon()
+            self._free_rows()
+        except Exception:               # interpreter shutdown, or the pool is gone already
+            pass
+
+    def __repr__(self) -> str:
+        return (f"PagedCache({self.layout.describe()}; rows {self.lengths()}, columns {self._cols.columns}; pool "
+                f"{self.pool.num_free_pages}/{self.pool.config.num_pages} pages free)")
+
+
+def take_current(layer: int):
+    """The `PagedCache` whose `update` just ran for ``layer`` in this context (cleared: it serves one call)."""
+    current = _CURRENT.get()
+    _CURRENT.set(None)
+    if current is None or current[1] != layer:
+        return None
+    return current[0]

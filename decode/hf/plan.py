@@ -1,0 +1,93 @@
+"""One forward pass through the paged pool: a plan computed once (which new tokens are real, their pool
+positions, the page tables) and run per layer (write the layer's K/V, one kernel call), inside one
+`kvcache.Transaction`, so a forward's tokens land in every layer or in none.
+
+Shapes (named dimensions; B = batch rows, T = new columns of this forward, N = real new tokens):
+    query  [B, num_q_heads, T, head_dim]      torch, as the model's attention module hands it over
+    key    [B, num_kv_heads, T, head_dim]     the *new* states only (PagedCache.update returns them as given)
+    new_real  bool [B, T]                     True where the new column is a real token (False: padding)
+"""
+import numpy as np
+import torch
+
+from decode.attention import paged_decode_attention
+
+
+class ForwardPlan:
+    """Reserve the new tokens of every row, then `run_layer` for each layer, then `commit` (or `rollback`).
+
+    Parameters
+    ----------
+    pool : kvcache.KVCache       the shared pool
+    seqs : list[int]             the pool sequence of each batch row
+    new_real : bool [B, T]
+    """
+
+    def __init__(self, pool, seqs, new_real: np.ndarray):
+        self.pool = pool
+        self.new_real = new_real
+        batch, width = new_real.shape
+        self.batch, self.width = batch, width
+        counts = new_real.sum(axis=1, dtype=np.int64)                          # [B]
+        starts = np.array([pool.length(s) for s in seqs], dtype=np.int64)      # pool length of each row
+        self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)})  # CacheFullError: nothing changed
+        try:
+            self._tables(seqs, counts, starts)
+        except BaseException:
+            self.tx.rollback()
+            raise
+        self.seqs = seqs
+        self.layers_written = 0
+
+    def _tables(self, seqs, counts, starts) -> None:
+        tables = [self.tx.pages(s) for s in seqs]
+        self.page_indptr = np.zeros(self.batch + 1, dtype=np.int64)            # [B + 1]
+        self.page_indptr[1:] = np.cumsum([len(t) for t in tables])
+        self.page_indices = (np.concatenate(tables) if tables else np.zeros(0)).astype(np.int32)
+        offsets = np.zeros(self.batch + 1, dtype=np.int64)                     # [B + 1] query offsets
+        offsets[1:] = np.cumsum(counts)
+        self.num_queries = int(offsets[-1])
+        self.query_seq = np.repeat(np.arange(self.batch, dtype=np.int32), counts)        # [N]
+        rank = np.arange(self.num_queries, dtype=np.int64) - offsets[self.query_seq]      # [N] index in its row
+        self.query_pos = starts[self.query_seq] + rank                                    # [N]
+        self.row_slices = [(int(seqs[b]), int(offsets[b]), int(offsets[b + 1]))
+                           for b in range(self.batch) if counts[b]]
+        self.all_real = self.num_queries == self.batch * self.width
+        flat = np.flatnonzero(self.new_real.reshape(-1))                                  # [N] into B * T
+        self.flat = torch.from_numpy(flat)
+
+    def _real_rows(self, x: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+        """``x [B, H, T, D]`` -> the real tokens ``[N, H, D]`` as a numpy array of ``dtype``."""
+        b, h, t, d = x.shape
+        rows = x.detach().transpose(1, 2).reshape(b * t, h, d)                 # [B * T, H, D]
+        if not self.all_real:
+            rows = rows.index_select(0, self.flat)                             # [N, H, D]
+        return rows.to(dtype).contiguous().numpy()
+
+    def run_layer(self, layer: int, query, key, value, scale, window: int) -> torch.Tensor:
+        """Write ``layer``'s new K/V of every row, attend every real query over its row's pages (one kernel
+        call) and return ``[B, T, num_q_heads, head_dim_v]`` in ``query``'s dtype (zeros for pad queries)."""
+        storage = self.pool.config.dtype
+        compute = torch.float64 if storage == np.float64 else torch.float32
+        kv_dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
+        k, v = self._real_rows(key, kv_dtype), self._real_rows(value, kv_dtype)           # [N, Hkv, D]
+        for seq, start, stop in self.row_slices:
+            self.tx.write(layer, seq, k[start:stop], v[start:stop])
+        self.layers_written += 1
+        q = self._real_rows(query, compute)                                               # [N, Hq, D]
+        out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
+                                     self.page_indptr, self.query_seq, self.query_pos, scale=scale,
+                                     window=window)                                       # [N, Hq, Dv]
+        result = torch.from_numpy(out).to(query.dtype)
+        b, t = self.batch, self.width
+        if self.all_real:
+            return result.reshape(b, t, *result.shape[1:])                                # [B, T, Hq, Dv]
+        full = result.new_zeros((b * t,) + tuple(result.shape[1:]))                       # [B * T, Hq, Dv]
+        full.index_copy_(0, self.flat, result)
+        return full.reshape(b, t, *result.shape[1:])
+
+    def commit(self) -> None:
+        self.tx.commit()
+
+    def rollback(self) -> None:
+        self.tx.rollback()

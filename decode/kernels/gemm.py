@@ -1,0 +1,122 @@
+"""A register-blocked micro-GEMM for the multi-query kernel: one 4-row x `nv`-vector block of C accumulated over
+k, with each B row (a contiguous vector strip) loaded once per four A rows and A's elements broadcast.
+
+    gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init)
+        C[i0 + a, c0 : c0 + nv * LANES] (=|+=) sum_{k < nk} A_flat[(i0 + a) * a_rs + k * a_cs] * B[k, c0 : ...]
+        for a < 4; init != 0 starts from zero, else from C.
+
+A (any 2-D C-contiguous compute-dtype array, addressed flat with element strides a_rs / a_cs, so the same block
+serves A and A transposed), B [nk.., cols] and C [rows, cols] C-contiguous compute-dtype arrays; LANES = 16 for
+float32, 8 for float64; nv in 1..4 (4 x nv accumulators stay in registers over the whole k loop). The caller
+keeps every touched element inside the arrays (pads rows to 4 and columns to LANES). The plain-NumPy twin runs
+under NUMBA_DISABLE_JIT.
+"""
+import numpy as np
+
+from . import cachedir  # noqa: F401
+
+from numba import types
+from numba.core import config as _nb_config
+from numba.extending import intrinsic, overload
+
+JIT = not _nb_config.DISABLE_JIT
+MR = 4          # rows of A (and C) per block
+
+
+def lanes(dtype) -> int:
+    """Vector lanes of the compute dtype (one 512-bit register)."""
+    return 8 if np.dtype(dtype) == np.float64 else 16
+
+
+def gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init):
+    """NumPy twin (see the module docstring)."""
+    n = nv * (8 if C.dtype == np.float64 else 16)
+    flat = A.reshape(-1)
+    rows = np.array([[flat[(i0 + a) * a_rs + k * a_cs] for k in range(nk)] for a in range(MR)], dtype=C.dtype)
+    blk = rows.reshape(MR, nk) @ B[:nk, c0:c0 + n] if nk else np.zeros((MR, n), C.dtype)
+    if init:
+        C[i0:i0 + MR, c0:c0 + n] = blk
+    else:
+        C[i0:i0 + MR, c0:c0 + n] += blk
+
+
+if JIT:
+    from llvmlite import ir as _ir
+    from numba.core import cgutils as _cg
+
+    _I64 = _ir.IntType(64)
+    _I32 = _ir.IntType(32)
+
+    def _data_and_cols(context, builder, aryty, arr):
+        ary = context.make_array(aryty)(context, builder, arr)
+        return ary.data, _cg.unpack_tuple(builder, ary.shape, 2)[1]
+
+    def _make_gemm(nv):
+        def typer(typingctx, A, a_rs, a_cs, i0, B, c0, C, nk, init):
+            if not (isinstance(A, types.Array) and isinstance(B, types.Array) and isinstance(C, types.Array)
+                    and A.dtype == B.dtype == C.dtype and isinstance(C.dtype, types.Float)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                cty = sig.args[6]
+                L = 8 if cty.dtype == types.float64 else 16
+                ft = context.get_value_type(cty.dtype)
+                vt = _ir.VectorType(ft, L)
+                rs, cs, i0_, c0_, nk_ = (context.cast(builder, args[i], sig.args[i], types.int64)
+                                         for i in (1, 2, 3, 5, 7))
+                init_ = context.cast(builder, args[8], sig.args[8], types.int64)
+                a_data, _ = _data_and_cols(context, builder, sig.args[0], args[0])
+                b_data, b_cols = _data_and_cols(context, builder, sig.args[4], args[4])
+                c_data, c_cols = _data_and_cols(context, builder, sig.args[6], args[6])
+                fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(vt, [vt, vt, vt]),
+                                                 "llvm.fma.v%d%s" % (L, "f64" if L == 8 else "f32"))
+                zero = _ir.Constant(vt, [0.0] * L)
+                is_init = builder.icmp_signed("!=", init_, _ir.Constant(_I64, 0))
+                a_rows = [builder.gep(a_data, [builder.mul(builder.add(i0_, _ir.Constant(_I64, a)), rs)])
+                          for a in range(MR)]
+                c_ptrs = []
+                slots = []
+                for a in range(MR):
+                    crow = builder.gep(c_data, [builder.add(builder.mul(builder.add(i0_, _ir.Constant(_I64, a)),
+                                                                        c_cols), c0_)])
+                    for v in range(nv):
+                        p = builder.bitcast(builder.gep(crow, [_ir.Constant(_I64, v * L)]), vt.as_pointer())
+                        c_ptrs.append(p)
+                        slots.append(_cg.alloca_once_value(builder, builder.select(
+                            is_init, zero, builder.load(p, align=4))))
+                splat = _ir.Constant(_ir.VectorType(_I32, L), [0] * L)
+                with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), nk_, _ir.Constant(_I64, 1)) as (k, _):
+                    brow = builder.gep(b_data, [builder.add(builder.mul(k, b_cols), c0_)])
+                    bv = [builder.load(builder.bitcast(builder.gep(brow, [_ir.Constant(_I64, v * L)]),
+                                                       vt.as_pointer()), align=4) for v in range(nv)]
+                    koff = builder.mul(k, cs)
+                    for a in range(MR):
+                        x = builder.load(builder.gep(a_rows[a], [koff]))
+                        xv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), x,
+                                                                           _ir.Constant(_I32, 0)),
+                                                    _ir.Constant(vt, None), splat)
+                        for v in range(nv):
+                            sl = slots[a * nv + v]
+                            builder.store(builder.call(fma, [xv, bv[v], builder.load(sl)]), sl)
+                for p, sl in zip(c_ptrs, slots):
+                    builder.store(builder.load(sl), p, align=4)
+                return context.get_dummy_value()
+
+            return types.void(A, a_rs, a_cs, i0, B, c0, C, nk, init), codegen
+        return intrinsic(typer)
+
+    _GEMM = [_make_gemm(nv) for nv in (1, 2, 3, 4)]
+    _g1, _g2, _g3, _g4 = _GEMM
+
+    @overload(gemm4)
+    def _gemm4_ov(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init):
+        def impl(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init):
+            if nv >= 4:
+                _g4(A, a_rs, a_cs, i0, B, c0, C, nk, init)
+            elif nv == 3:
+                _g3(A, a_rs, a_cs, i0, B, c0, C, nk, init)
+            elif nv == 2:
+                _g2(A, a_rs, a_cs, i0, B, c0, C, nk, init)
+            else:
+                _g1(A, a_rs, a_cs, i0, B, c0, C, nk, init)
+        return impl
