@@ -13,6 +13,7 @@ give the same K/V at every position, so decoding resumes with identical results.
 equal to the K/V sent to the workers (documented in docs/distributed.md).
 """
 import itertools
+import os
 import time
 
 import numba
@@ -80,10 +81,12 @@ class Cluster:
         # decoders may share a machine's workers; a reservation would leave later actors pending forever)
         self.cpus = float(ray.cluster_resources().get("CPU", 1)) / len(configs)
         self.actors, self.pids = [None] * len(configs), [None] * len(configs)
-        self.logs = [[] for _ in configs]
+        self.logs = [[] for _ in configs]                          # committed operations since the checkpoint
+        self.checkpoints: list = [None] * len(configs)             # (path, sequences) of the last checkpoint
         self.lost: dict[int, str] = {}
         self.pending: list[dict] = []                              # commits sent, not yet confirmed
         self._txids = itertools.count()
+        self._generation = 0
         self.closed = False
         try:
             for i in range(len(configs)):
@@ -148,6 +151,11 @@ class Cluster:
         raise_first(self, errors, lost)
         return results
 
+    def states(self, survivors_only: bool = False) -> dict[int, dict]:
+        """`Shard.state` of every worker (``survivors_only``: of the workers not lost; none is rebuilt)."""
+        self.require([] if survivors_only else None)
+        return self.call_all({i: ("state",) for i in range(len(self.actors)) if i not in self.lost})
+
     def commit_later(self, workers, txid: int) -> None:
         """Send the commit of ``txid`` to ``workers`` without waiting: it is the second phase of a call whose
         outcome is decided (every worker prepared), and each worker runs it before its next call (Ray keeps one
@@ -185,6 +193,22 @@ class Cluster:
         """Kill worker i now (tests; the next call reports it lost)."""
         ray.kill(self.actors[i], no_restart=True)
 
+    def checkpoint(self, directory: str) -> list[str]:
+        """Every worker snapshots its pool into ``directory`` (a new file per checkpoint; on a cluster it must be
+        storage the replacement worker can read); the logs restart empty. All or nothing: if a worker fails,
+        the previous checkpoint and logs stay in force. Returns the paths."""
+        self.require()
+        self._generation += 1
+        paths = {i: os.path.join(os.fspath(directory), f"worker-{i}-{self._generation}.kv")
+                 for i in range(len(self.actors))}
+        results = self.call_all({i: ("save", path) for i, path in paths.items()})
+        for i, path in paths.items():
+            old = self.checkpoints[i]
+            self.checkpoints[i], self.logs[i] = (path, results[i]), []
+            if old is not None and os.path.exists(old[0]):
+                os.remove(old[0])
+        return [paths[i] for i in sorted(paths)]
+
     def recover(self) -> list[int]:
         """Rebuild every lost worker from its log (module docstring); returns their indices."""
         if self.closed:
@@ -196,9 +220,12 @@ class Cluster:
         rebuilt = sorted(self.lost)
         for i in rebuilt:
             self.actors[i] = actor = self._start(i)
-            result = ray.get(actor.call.remote("replay", self.logs[i]), timeout=START_TIMEOUT_S + self.timeout)
-            if isinstance(result, Failure):
-                raise result.rebuild()
+            steps = ([("restore",) + tuple(self.checkpoints[i])] if self.checkpoints[i] else []) + [
+                ("replay", self.logs[i])]
+            for step in steps:
+                result = ray.get(actor.call.remote(*step), timeout=START_TIMEOUT_S + self.timeout)
+                if isinstance(result, Failure):
+                    raise result.rebuild()
             self.pids[i] = ray.get(actor.call.remote("state"), timeout=self.timeout)["pid"]
             del self.lost[i]
         if rebuilt:

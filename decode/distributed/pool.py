@@ -97,11 +97,14 @@ class DecoderPool:
         return seqs
 
     # -- workers --------------------------------------------------------------------------------------------
-    def worker_states(self) -> dict[int, dict]:
-        """Per worker: fingerprint of its pool and metadata, free pages, pid, open transactions."""
-        cluster = self._family.cluster
-        cluster.require()
-        return cluster.call_all({w: ("state",) for w in range(self.workers)})
+    def worker_states(self, survivors_only: bool = False) -> dict[int, dict]:
+        """Per worker: fingerprint of its pool and metadata (``fingerprint``; ``content``: the bytes in use
+        only), free pages, pid, open transactions. ``survivors_only``: of the workers not lost."""
+        return self._family.cluster.states(survivors_only)
+
+    def checkpoint(self, directory) -> list[str]:
+        """`ShardedDecoder.checkpoint` for the pool's workers."""
+        return self._family.cluster.checkpoint(directory)
 
     def recover(self) -> list[int]:
         """Rebuild every lost worker from its log; returns their indices."""

@@ -22,6 +22,7 @@ import numpy as np
 from decode import Decoder, batch_transaction
 from decode.partial import partial_attention
 from kvcache import KVCache
+from kvcache.errors import InjectedFault
 from kvcache.faults import FaultInjector, no_fault
 
 
@@ -63,7 +64,8 @@ class Shard:
     def state(self) -> dict:
         """Fingerprint of the pool and its metadata, free pages, pid (for tests and `WorkerLostError`)."""
         return {"fingerprint": self.cache.fingerprint(), "free_pages": self.cache.num_free_pages,
-                "pid": os.getpid(), "open": sorted(self.open)}
+                "content": self.cache.fingerprint(include_free_pages=False), "pid": os.getpid(),
+                "open": sorted(self.open)}
 
     # -- two-phase calls ------------------------------------------------------------------------------------
     def run(self, txid: int, begin, kind: str, layer: int, q, k, v, query_hi=None):
@@ -129,6 +131,19 @@ class Shard:
         self.cache.fault_hook = no_fault
 
     # -- recovery -------------------------------------------------------------------------------------------
+    def save(self, path: str) -> dict:
+        """Snapshot the pool to ``path`` (`kvcache.KVCache.save`); returns ``{sequence id: cache sequence}``."""
+        self.cache.save(path)
+        return {sid: d.seq for sid, d in self.decoders.items()}
+
+    def restore(self, path: str, sequences: dict) -> None:
+        """Replace the pool by the snapshot ``path`` (`kvcache.KVCache.load`, checked against this shard's
+        configuration) and re-attach the decoders of ``sequences`` (from `save`)."""
+        cache = KVCache.load(path, config=self.cache.config)
+        self.cache, self.open = cache, {}
+        self.decoders = {sid: Decoder.on_sequence(cache, seq, self.num_q_heads, scale=self.scale, window=self.window)
+                         for sid, seq in sequences.items()}
+
     def replay(self, ops) -> None:
         """Re-apply committed operations (`decode.distributed.cluster.Cluster` logs them): the same writes of
         the same storage-dtype K/V in the same order give the same bytes at every position."""
@@ -154,12 +169,13 @@ class Shard:
         `run` (the step is held open: its writes are made, nothing is committed); ``("exit_in_run", None)`` /
         ``("exit_in_commit", None)`` end the process there; ``("inject", i)`` installs a
         `kvcache.faults.FaultInjector(fail_at=i)` on the pool for the next transaction (an error raised inside
-        the worker); None clears it."""
+        the worker), ``("inject_at", point)`` fails at the first fault point of that name; None clears it."""
         self.fault = None if action is None else (action, argument)
 
     def _arm_injector(self) -> None:
-        if self.fault and self.fault[0] == "inject":
-            self.cache.fault_hook = FaultInjector(fail_at=self.fault[1])
+        if self.fault and self.fault[0] in ("inject", "inject_at"):
+            action, argument = self.fault
+            self.cache.fault_hook = FaultInjector(fail_at=argument) if action == "inject" else _FailAt(argument)
             self.fault = None
 
     def _fault_point(self, where: str) -> None:
@@ -174,3 +190,14 @@ class Shard:
             time.sleep(seconds)
         elif action == f"exit_in_{where}":
             os._exit(17)
+
+
+class _FailAt:
+    """A fault hook raising `InjectedFault` at the first fault point named ``point``."""
+
+    def __init__(self, point: str):
+        self.point = point
+
+    def __call__(self, point: str) -> None:
+        if point == self.point:
+            raise InjectedFault(f"injected fault at {point!r}")

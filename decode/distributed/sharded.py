@@ -228,11 +228,16 @@ class ShardedDecoder:
         del family.lengths[self._sid]
 
     # -- workers --------------------------------------------------------------------------------------------
-    def worker_states(self) -> dict[int, dict]:
-        """Per worker: fingerprint of its pool and metadata, free pages, pid, open transactions."""
+    def worker_states(self, survivors_only: bool = False) -> dict[int, dict]:
+        """Per worker: fingerprint of its pool and metadata (``fingerprint``; ``content``: the bytes in use
+        only), free pages, pid, open transactions. ``survivors_only``: of the workers not lost."""
+        return self._family.cluster.states(survivors_only)
+
+    def checkpoint(self, directory) -> list[str]:
+        """Snapshot every worker's pool into ``directory`` (`kvcache.KVCache.save`) and restart the recovery
+        logs empty: `recover` then loads the snapshot and replays only what came after. Returns the paths."""
         self._require()
-        cluster = self._family.cluster
-        return cluster.call_all({w: ("state",) for w in range(len(cluster.actors))})
+        return self._family.cluster.checkpoint(directory)
 
     def recover(self) -> list[int]:
         """Rebuild every lost worker (a fresh actor replays the log of what was committed on it); returns

@@ -177,6 +177,18 @@ def softmax_block(S, nb, m, l, acc, first, scale):
 
 
 @njit(cache=True, fastmath=FAST)
+def load_group(q, i, h, scale, qs):
+    """qs[g, :] = q[i, h*G + g, :] * scale (one rounding; the int8 kernel's pre-scaled query)."""
+    G = qs.shape[0]
+    D = qs.shape[1]
+    for g in range(G):
+        src = q[i, h * G + g]
+        dst = qs[g]
+        for d in range(D):
+            dst[d] = src[d] * scale
+
+
+@njit(cache=True, fastmath=FAST)
 def load_heads(qi, qs):
     """qs[h, g, :] = qi[h*G + g, :].  qi: [num_q_heads, head_dim], qs: [num_kv_heads, G, head_dim] (the scale is
     applied to score differences in `softmax_block`, not to q: no rounding of q)."""
@@ -230,3 +242,28 @@ def combine_heads(wm, wl, wacc, w0, n, dst, scale):
             inv = 1.0 / tot
             for d in range(Dv):
                 og[d] *= inv
+
+
+@njit(cache=True, fastmath=FAST)
+def combine(wm, wl, wacc, w0, n, dst):
+    """Merge n partial results (max of pre-scaled scores, sum, unnormalised output) stored at w0..w0+n-1 into
+    dst[G, Dv] (the int8 kernel's layout: wm, wl [slots, G], wacc [slots, G, Dv])."""
+    G = dst.shape[0]
+    Dv = dst.shape[1]
+    for g in range(G):
+        mx = wm[w0, g]
+        for s in range(1, n):
+            mx = max(mx, wm[w0 + s, g])
+        og = dst[g]
+        tot = 0.0
+        for d in range(Dv):
+            og[d] = 0.0
+        for s in range(n):
+            f = math.exp(wm[w0 + s, g] - mx)  # float64: the merge is cheap, keep it exact
+            tot += f * wl[w0 + s, g]
+            src = wacc[w0 + s, g]
+            for d in range(Dv):
+                og[d] += f * src[d]
+        inv = 1.0 / tot
+        for d in range(Dv):
+            og[d] *= inv
