@@ -439,15 +439,12 @@ class KVCache:
             return
         self._fault_hook("adopt")
         alloc, index = self.allocator, self.index
-        cached = [(page, index.unpark(page)) for page in pages if alloc.ref_count(page) == 0]
-        parked = {page for page, _ in cached}
-        for page in pages:
-            alloc.adopt(page) if page in parked else alloc.incref(page)
+        adopted = alloc.reference_all(pages)
+        stamps = [(page, index.unpark(page)) for page in adopted]
 
         def undo():
-            for page in pages:
-                alloc.unadopt(page) if page in parked else alloc.decref(page)     # never reaches 0 here
-            for page, stamp in cached:
+            alloc.unreference_all(pages, adopted)
+            for page, stamp in stamps:
                 index.park(page, stamp)
         journal.record(undo)
 
