@@ -220,6 +220,11 @@ class KVCache:
         check_shape("v", v, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim_v), labels + "head_dim_v]")
         return self._pool.check("k", k), self._pool.check("v", v)
 
+    def check_storable(self, name: str, x: np.ndarray) -> np.ndarray:
+        """A float array of any shape validated for this pool's storage: cast to the storage dtype (finite after
+        the cast), or for int8 checked finite and within `kvcache.quant.MAX_ABS` and returned as given."""
+        return self._pool.check(name, x)
+
     def append(self, seq: int, k, v, *, token_ids=None) -> None:
         """Append T tokens to ``seq`` in every layer: ``k [num_layers, T, num_kv_heads, head_dim]``,
         ``v [num_layers, T, num_kv_heads, head_dim_v]`` (the leading axis may be dropped for one layer);
