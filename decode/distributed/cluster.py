@@ -156,6 +156,11 @@ class Cluster:
         self.require([] if survivors_only else None)
         return self.call_all({i: ("state",) for i in range(len(self.actors)) if i not in self.lost})
 
+    def ping(self, payload=None) -> None:
+        """One round trip to every worker at once, ``payload`` there and back (measurements)."""
+        self.require()
+        self.call_all({i: ("ping", payload) for i in range(len(self.actors))})
+
     def commit_later(self, workers, txid: int) -> None:
         """Send the commit of ``txid`` to ``workers`` without waiting: it is the second phase of a call whose
         outcome is decided (every worker prepared), and each worker runs it before its next call (Ray keeps one

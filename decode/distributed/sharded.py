@@ -228,6 +228,11 @@ class ShardedDecoder:
         del family.lengths[self._sid]
 
     # -- workers --------------------------------------------------------------------------------------------
+    def ping(self, payload=None) -> None:
+        """One round trip to every worker in parallel, ``payload`` there and back (what a call costs beyond its
+        work: benchmarks/test_distributed.py)."""
+        self._family.cluster.ping(payload)
+
     def worker_states(self, survivors_only: bool = False) -> dict[int, dict]:
         """Per worker: fingerprint of its pool and metadata (``fingerprint``; ``content``: the bytes in use
         only), free pages, pid, open transactions. ``survivors_only``: of the workers not lost."""
