@@ -58,7 +58,7 @@ class DecoderPool:
         """A new empty sequence on the live worker holding the fewest sequences (the lowest index on a tie)."""
         cluster = self._family.cluster
         alive = [w for w in range(self.workers) if w not in cluster.lost]
-        cluster.require(alive or None)                 # settles; raises only when every worker is lost
+        cluster.require(alive or None)                 # raises only when every worker is lost
         home = self._family.layout.home
         load = {w: 0 for w in alive}
         for sid in self._family.lengths:
