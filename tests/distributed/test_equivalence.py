@@ -195,3 +195,12 @@ def test_context_capacity_is_the_sum_of_the_workers_ranges():
         with pytest.raises(CacheFullError, match="context shards"):
             sharded.step(rng.standard_normal((4, 8)), rng.standard_normal((2, 8)), rng.standard_normal((2, 8)))
         assert sharded.worker_states() == states and sharded.length == 16
+
+
+def test_the_example_of_docs_distributed_runs():
+    import re
+    from pathlib import Path
+    doc = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert blocks and "pool.batch_step" in blocks[0], "docs/distributed.md lost its example"
+    exec(compile(blocks[0], str(doc), "exec"), {})
