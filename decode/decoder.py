@@ -341,22 +341,54 @@ class DecoderTransaction:
         self._tx.rollback()
 
     # -- per layer --------------------------------------------------------------------------------------------
-    def append(self, layer: int, k, v) -> None:
-        """Write one layer's K/V of the (single) decoder: ``k [T, num_kv_heads, head_dim]``."""
-        dec = self.decoders[0]
-        self._guard(lambda: self._write(layer, 0, *dec.check_kv(k, v, self.num_tokens[dec.seq])))
-
-    def extend(self, layer: int, q, k, v) -> np.ndarray:
-        """Write one layer's K/V of the (single) decoder and attend with its T queries:
-        ``q [T, num_q_heads, head_dim]`` -> ``[T, num_q_heads, head_dim_v]``; query i at position start + i."""
-        dec, count = self.decoders[0], self.num_tokens[self.decoders[0].seq]
-
+    def append(self, layer: int, k, v, *, checked: bool = False) -> None:
+        """Write one layer's K/V of every decoder, no query: ``k`` / ``v`` as in `extend`."""
         def run():
-            checked_q = dec.check_query(q, count)
-            self._write(layer, 0, *dec.check_kv(k, v, count))
-            positions = np.arange(self.start[0], self.start[0] + count, dtype=np.int64)
-            return self._attend(layer, checked_q, np.zeros(count, dtype=np.int32), positions)
+            _, ks, vs = (None, k, v) if checked else self.check_tokens(None, k, v)
+            self._write_all(layer, ks, vs)
+        self._guard(run)
+
+    def extend(self, layer: int, q, k, v, *, checked: bool = False):
+        """Write one layer's K/V of every decoder and attend with their queries, in one kernel call.
+
+        Ragged form: ``q [N, num_q_heads, head_dim]``, ``k [N, num_kv_heads, head_dim]``,
+        ``v [N, num_kv_heads, head_dim_v]`` with N = sum of the decoders' token counts, decoder 0's tokens first
+        -> ``[N, num_q_heads, head_dim_v]``. List form: one ``[T_b, ...]`` array per decoder -> a list of
+        ``[T_b, num_q_heads, head_dim_v]``. Query t of decoder b sits at position ``start[b] + t``.
+        ``checked``: the arrays come from `check_tokens` (ragged, validated, cast) and are not checked again."""
+        def run():
+            qs, ks, vs = (q, k, v) if checked else self.check_tokens(q, k, v)
+            self._write_all(layer, ks, vs)
+            out = self._attend(layer, qs, self._query_seq(), self._query_pos())
+            return split_ragged(out, self.counts) if isinstance(q, (list, tuple)) else out
         return self._guard(run)
+
+    def check_tokens(self, q, k, v):
+        """`check_tokens` for this transaction's decoders and token counts."""
+        return check_tokens(self.decoders, self.counts, q, k, v)
+
+    @property
+    def counts(self) -> list[int]:
+        """New tokens of each decoder, in decoder order."""
+        return [self.num_tokens[d.seq] for d in self.decoders]
+
+    def _write_all(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store checked ragged ``k [N, H, D]``, ``v [N, H, Dv]`` (storage dtype), decoder by decoder."""
+        offset = 0
+        for b, count in enumerate(self.counts):
+            self._write(layer, b, k[offset:offset + count], v[offset:offset + count])
+            offset += count
+
+    def _query_seq(self) -> np.ndarray:
+        """int32 [N]: the page-table row (decoder index) of each ragged query."""
+        return np.repeat(np.arange(len(self.decoders), dtype=np.int32), self.counts)
+
+    def _query_pos(self) -> np.ndarray:
+        """int64 [N]: the absolute position of each ragged query (decoder b's start + t)."""
+        counts = self.counts
+        if len(counts) == 1:
+            return np.arange(self.start[0], self.start[0] + counts[0], dtype=np.int64)
+        return np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in zip(self.start, counts)])
 
     def step(self, layer: int, q, k, v) -> np.ndarray:
         """One token per decoder: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``,
@@ -407,7 +439,7 @@ class DecoderTransaction:
         size = self.cache.config.page_size
         for i, table in enumerate(tables):        # every decoder's first query reads from lo on (if it has one)
             first = max(0, self.start[i] - dec.window + 1) if dec.window else 0
-            if len(q) and table[first // size] < 0:
+            if len(q) and self.num_tokens[self.decoders[i].seq] and table[first // size] < 0:
                 raise_released(self.cache, self.decoders[i].seq, first, self.start[i])
         if len(tables) == 1:
             indices, indptr = tables[0], np.array([0, len(tables[0])], dtype=np.int64)
@@ -429,12 +461,81 @@ def raise_released(cache: KVCache, seq: int, first: int, position: int):
                      f"{position}), got positions < {cache.first_position(seq)} released (KVCache.release_before)")
 
 
-def batch_transaction(decoders, *, token_ids=None) -> DecoderTransaction:
-    """One token for each of ``decoders`` (distinct sequences of one shared pool), written layer by layer;
-    ``tx.step(layer, q, k, v)`` decodes all of them in one kernel call. All or none of the tokens land.
-    ``token_ids [B]`` (optional): each decoder's token id, for prefix caching."""
-    decoders = list(decoders)
-    if not decoders or not all(isinstance(d, Decoder) for d in decoders):
+def check_tokens(decoders, counts, q, k, v):
+    """Validate new tokens of ``decoders`` (``counts[b]`` for decoder b): ragged arrays or one array per
+    decoder, as in `DecoderTransaction.extend`; q may be None -> ragged ``q [N, num_q_heads, head_dim]``
+    (working precision; None if q is), ``k``, ``v`` (storage dtype). Errors of the list form name the element
+    (``q[1]: ...``), of the ragged form the ragged index."""
+    dec = decoders[0]
+    if not any(isinstance(x, (list, tuple)) for x in (q, k, v)):
+        total = sum(counts)
+        return (None if q is None else dec.check_query(q, total)), *dec.check_kv(k, v, total)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is None and name == "q":
+            continue
+        if not isinstance(x, (list, tuple)):
+            raise TypeError(f"{name}: expected a list of {len(counts)} arrays (one per decoder, like the other "
+                            f"inputs), got {type(x).__name__}")
+        if len(x) != len(counts):
+            raise ValueError(f"{name}: expected {len(counts)} arrays (one per decoder), got {len(x)}")
+    parts = ([], [], [])
+    for b, count in enumerate(counts):
+        try:
+            if q is not None:
+                parts[0].append(dec.check_query(q[b], count))
+            kb, vb = dec.check_kv(k[b], v[b], count)
+        except (TypeError, ValueError) as e:
+            msg = str(e)
+            raise type(e)(f"{msg[0]}[{b}]{msg[1:]}" if msg[1:2] == ":" else msg) from None
+        parts[1].append(kb)
+        parts[2].append(vb)
+    return tuple(np.concatenate(p) if p else None for p in parts)
+
+
+def split_ragged(x: np.ndarray, counts) -> list:
+    """``x [sum(counts), ...]`` -> a list of ``[counts[b], ...]`` views."""
+    return np.split(x, np.cumsum(counts)[:-1])
+
+
+def batch_transaction(decoders, num_tokens=None, *, token_ids=None) -> DecoderTransaction:
+    """New tokens for each of ``decoders`` (distinct sequences of one shared pool), written layer by layer:
+    one each (``num_tokens`` None: ``tx.step(layer, q, k, v)`` decodes all of them in one kernel call) or
+    ``num_tokens[b]`` >= 0 for decoder b (``tx.extend(layer, q, k, v)``, ragged or lists, see
+    `DecoderTransaction.extend`). Every page is reserved here; all or none of the tokens land.
+    ``token_ids`` (optional, for prefix caching): one id per decoder (``[B]``) for one token each, else one
+    ``[T_b]`` array per decoder or a ragged ``[N]`` array."""
+    decoders = _check_decoders(decoders)
+    counts = _check_counts(decoders, num_tokens)
+    return DecoderTransaction(decoders, counts, _token_ids(decoders, counts, num_tokens is None, token_ids))
+
+
+def _token_ids(decoders, counts: dict, one_each: bool, token_ids):
+    """``token_ids`` as {seq: ids} (None stays None); see `batch_transaction`."""
+    if token_ids is None:
+        return None
+    seqs = [d.seq for d in decoders]
+    if one_each:
+        if np.ndim(token_ids) != 1 or len(token_ids) != len(seqs):
+            raise ValueError(f"token_ids: expected one token id per decoder ({len(seqs)}), got shape "
+                             f"{np.shape(token_ids)}")
+        return {seq: [token_ids[i]] for i, seq in enumerate(seqs)}
+    sizes = [counts[seq] for seq in seqs]
+    if isinstance(token_ids, (list, tuple)):
+        if len(token_ids) != len(seqs):
+            raise ValueError(f"token_ids: expected {len(seqs)} id arrays (one per decoder), got {len(token_ids)}")
+        for b, (ids, n) in enumerate(zip(token_ids, sizes)):
+            if np.ndim(ids) != 1 or len(ids) != n:
+                raise ValueError(f"token_ids[{b}]: expected {n} token ids, got shape {np.shape(ids)}")
+        return dict(zip(seqs, token_ids))
+    if np.ndim(token_ids) != 1 or len(token_ids) != sum(sizes):
+        raise ValueError(f"token_ids: expected {sum(sizes)} token ids (ragged, decoder 0's first), got shape "
+                         f"{np.shape(token_ids)}")
+    return dict(zip(seqs, split_ragged(np.asarray(token_ids), sizes)))
+
+
+def _check_decoders(decoders) -> list:
+    decoders = list(decoders) if isinstance(decoders, (list, tuple)) else decoders
+    if not isinstance(decoders, list) or not decoders or not all(isinstance(d, Decoder) for d in decoders):
         raise TypeError(f"decoders: expected a non-empty list of Decoder, got {decoders!r}")
     first = decoders[0]
     for d in decoders[1:]:
@@ -446,12 +547,51 @@ def batch_transaction(decoders, *, token_ids=None) -> DecoderTransaction:
     seqs = [d.seq for d in decoders]
     if len(set(seqs)) != len(seqs):
         raise ValueError(f"decoders: expected distinct sequences, got sequence ids {seqs}")
-    if token_ids is not None:
-        if np.ndim(token_ids) != 1 or len(token_ids) != len(seqs):
-            raise ValueError(f"token_ids: expected one token id per decoder ({len(seqs)}), got shape "
-                             f"{np.shape(token_ids)}")
-        token_ids = {seq: [token_ids[i]] for i, seq in enumerate(seqs)}
-    return DecoderTransaction(decoders, {seq: 1 for seq in seqs}, token_ids)
+    return decoders
+
+
+def _check_counts(decoders, num_tokens) -> dict:
+    if num_tokens is None:
+        return {d.seq: 1 for d in decoders}
+    if isinstance(num_tokens, np.ndarray):
+        num_tokens = num_tokens.tolist()
+    if not isinstance(num_tokens, (list, tuple)) or len(num_tokens) != len(decoders):
+        raise ValueError(f"num_tokens: expected {len(decoders)} token counts (one per decoder), got {num_tokens!r}")
+    return {d.seq: check_int(f"num_tokens[{b}]", n) for b, (d, n) in enumerate(zip(decoders, num_tokens))}
+
+
+def batch_extend(decoders, q, k, v, num_tokens=None, *, token_ids=None):
+    """Append each decoder's own number of new tokens and attend with their queries, in one kernel call
+    (batched prefill, speculative verification of several sequences) on a one-layer pool.
+
+    List form (``num_tokens`` None): ``q[b] [T_b, num_q_heads, head_dim]``, ``k[b] [T_b, num_kv_heads,
+    head_dim]``, ``v[b] [T_b, num_kv_heads, head_dim_v]`` -> a list of ``[T_b, num_q_heads, head_dim_v]``.
+    Ragged form: ``q [N, num_q_heads, head_dim]`` etc. with ``num_tokens = [T_0, T_1, ...]`` (N = their sum,
+    decoder 0's tokens first) -> ``[N, num_q_heads, head_dim_v]``. Query t of decoder b sits at position
+    ``length_b + t``. Everything is validated before any page is reserved; all or none of the tokens land.
+    ``token_ids`` (optional, for prefix caching): one ``[T_b]`` array per decoder or a ragged ``[N]`` array.
+    Several layers: `batch_transaction(decoders, num_tokens)` and ``tx.extend(layer, ...)``."""
+    decoders = _check_decoders(decoders)
+    decoders[0]._single_layer("batch_extend")
+    if num_tokens is None:
+        if not isinstance(k, (list, tuple)):
+            raise TypeError(f"k: expected a list of arrays (one per decoder) or num_tokens with ragged arrays, "
+                            f"got {type(k).__name__} and num_tokens=None")
+        if len(k) != len(decoders):
+            raise ValueError(f"k: expected {len(decoders)} arrays (one per decoder), got {len(k)}")
+        shapes = [np.shape(x) for x in k]
+        for b, shape in enumerate(shapes):
+            if len(shape) != 3:
+                raise ValueError(f"k[{b}]: expected shape [T, num_kv_heads, head_dim], got {shape}")
+        num_tokens_ = [shape[0] for shape in shapes]
+    else:
+        num_tokens_ = num_tokens
+    counts = _check_counts(decoders, num_tokens_)
+    ids = _token_ids(decoders, counts, False, token_ids)
+    checked = check_tokens(decoders, list(counts.values()), q, k, v)       # before anything is reserved
+    with DecoderTransaction(decoders, counts, ids) as tx:
+        out = tx.extend(0, *checked, checked=True)
+    return split_ragged(out, tx.counts) if num_tokens is None else out
 
 
 def batch_step(decoders, q, k, v, *, token_ids=None) -> np.ndarray:

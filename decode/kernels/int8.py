@@ -28,6 +28,7 @@ from numba.extending import intrinsic, overload
 from .blocks import combine, load_group, normalise, pv, qk, softmax_block
 from .simd import FAST, JIT, ld
 
+ONE = np.float32(1.0)  # softmax_block's scale: this kernel scales q up front
 GROUP = 32            # values per scale (kvcache.quant.GROUP_SIZE; the kernels import nothing of kvcache)
 CHUNK = 16            # rows per widened tile
 
@@ -46,6 +47,23 @@ def fold4(acc, j, vp, t, i, w0, w1, w2, w3):
     """acc[j:j+32] += sum_r w_r * float32(vp[t + r, i:i+32]) over r < 4: acc 1-D float32, vp 2-D int8."""
     rows = vp[t:t + 4, i:i + GROUP].astype(np.float32)
     acc[j:j + GROUP] += (w0 * rows[0] + w1 * rows[1]) + (w2 * rows[2] + w3 * rows[3])
+
+
+def h2f_all(src, dst):
+    """dst[:n] = float32(float16 bits of src) for every element of the C-contiguous 2-D uint16 src (n its size)."""
+    n = src.size
+    dst[:n] = src.reshape(n).view(np.float16).astype(np.float32)
+
+
+def dot4_i8(qv, kp, t, st, nsg, ng):
+    """4 scores sum_d qv[d] * kp[t + r, d] * st[(t + r) * nsg + d // 32] over the first ng groups of 32 (r < 4):
+    qv 1-D float32, kp 2-D int8, st 1-D float32 (the page tile's scales, `scales_f32`)."""
+    n = ng * GROUP
+    out = []
+    for r in range(4):
+        scale = np.repeat(st[(t + r) * nsg:(t + r) * nsg + ng], GROUP)
+        out.append(np.float32(np.dot(qv[:n], kp[t + r, :n].astype(np.float32) * scale)))
+    return tuple(out)
 
 
 if JIT:
@@ -105,6 +123,103 @@ if JIT:
 
         return types.void(acc, j, vp, t, i, w0, w1, w2, w3), codegen
 
+    def _hsum(builder, v):
+        """Sum of the 32 lanes of v (a tree of shuffles)."""
+        width = GROUP
+        while width > 1:
+            half = width // 2
+            lo = builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_ir.IntType(32), half), list(range(half))))
+            hi = builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_ir.IntType(32), half),
+                                                            list(range(half, width))))
+            v = builder.fadd(lo, hi)
+            width = half
+        return builder.extract_element(v, _ir.Constant(_ir.IntType(32), 0))
+
+    @intrinsic
+    def _dot4_i8(typingctx, qv, kp, t, st, nsg, ng):
+        if not (_is(qv, types.float32, 1) and _is(kp, types.int8, 2) and _is(st, types.float32, 1)
+                and all(isinstance(x, types.Integer) for x in (t, nsg, ng))):
+            return None
+        sig = types.UniTuple(types.float32, 4)(qv, kp, t, st, nsg, ng)
+
+        def codegen(context, builder, sig, args):
+            qa = context.make_array(sig.args[0])(context, builder, args[0])
+            ka = context.make_array(sig.args[1])(context, builder, args[1])
+            sa = context.make_array(sig.args[3])(context, builder, args[3])
+            i64 = _ir.IntType(64)
+            t0, nsg0, ng0 = (context.cast(builder, a, ty, types.int64) for a, ty in
+                             ((args[2], sig.args[2]), (args[4], sig.args[4]), (args[5], sig.args[5])))
+            cols = _cg.unpack_tuple(builder, ka.shape, 2)[1]
+            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
+                                             "llvm.fma.v32f32")
+            entry = builder.block
+            header = builder.append_basic_block("dot4.header")
+            body = builder.append_basic_block("dot4.body")
+            done = builder.append_basic_block("dot4.done")
+            builder.branch(header)
+            builder.position_at_end(header)
+            i = builder.phi(i64)
+            accs = [builder.phi(_VF) for _ in range(4)]
+            zero = _ir.Constant(_VF, [0.0] * GROUP)
+            i.add_incoming(_ir.Constant(i64, 0), entry)
+            for acc in accs:
+                acc.add_incoming(zero, entry)
+            builder.cbranch(builder.icmp_signed("<", i, ng0), body, done)
+            builder.position_at_end(body)
+            base = builder.mul(i, _ir.Constant(i64, GROUP))
+            qg = builder.load(builder.bitcast(builder.gep(qa.data, [base]), _VF.as_pointer()), align=4)
+            new = []
+            for r in range(4):
+                row = builder.add(t0, _ir.Constant(i64, r))
+                kf = _load_i8(builder, builder.gep(ka.data, [builder.add(builder.mul(row, cols), base)]))
+                scale = builder.load(builder.gep(sa.data, [builder.add(builder.mul(row, nsg0), i)]))
+                new.append(builder.call(fma, [builder.fmul(kf, _splat(builder, scale)), qg, accs[r]]))
+            nxt = builder.add(i, _ir.Constant(i64, 1))
+            body_end = builder.block
+            i.add_incoming(nxt, body_end)
+            for acc, value in zip(accs, new):
+                acc.add_incoming(value, body_end)
+            builder.branch(header)
+            builder.position_at_end(done)
+            return context.make_tuple(builder, sig.return_type, [_hsum(builder, acc) for acc in accs])
+
+        return sig, codegen
+
+    _V16H = _ir.VectorType(_ir.IntType(16), 16)
+    _V16F = _ir.VectorType(_ir.FloatType(), 16)
+
+    @intrinsic
+    def _h2f_all(typingctx, src, dst):
+        if not (_is(src, types.uint16, 2) and _is(dst, types.float32, 1)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            sa = context.make_array(sig.args[0])(context, builder, args[0])
+            da = context.make_array(sig.args[1])(context, builder, args[1])
+            i64 = _ir.IntType(64)
+            rows, cols = _cg.unpack_tuple(builder, sa.shape, 2)
+            n = builder.mul(rows, cols)
+            vec_end = builder.and_(n, _ir.Constant(i64, -16))
+            with _cg.for_range_slice(builder, _ir.Constant(i64, 0), vec_end, _ir.Constant(i64, 16)) as (i, _):
+                x = builder.load(builder.bitcast(builder.gep(sa.data, [i]), _V16H.as_pointer()), align=2)
+                y = builder.fpext(builder.bitcast(x, _ir.VectorType(_ir.HalfType(), 16)), _V16F)
+                builder.store(y, builder.bitcast(builder.gep(da.data, [i]), _V16F.as_pointer()), align=4)
+            with _cg.for_range_slice(builder, vec_end, n, _ir.Constant(i64, 1)) as (i, _):
+                x = builder.load(builder.gep(sa.data, [i]))
+                y = builder.fpext(builder.bitcast(x, _ir.HalfType()), _ir.FloatType())
+                builder.store(y, builder.gep(da.data, [i]))
+            return context.get_dummy_value()
+
+        return types.void(src, dst), codegen
+
+    @overload(h2f_all)
+    def _h2f_all_ov(src, dst):
+        return lambda src, dst: _h2f_all(src, dst)
+
+    @overload(dot4_i8)
+    def _dot4_i8_ov(qv, kp, t, st, nsg, ng):
+        return lambda qv, kp, t, st, nsg, ng: _dot4_i8(qv, kp, t, st, nsg, ng)
+
     @overload(widen32)
     def _widen32_ov(src, i, dst, j, s):
         return lambda src, i, dst, j, s: _widen32(src, i, dst, j, s)
@@ -119,10 +234,7 @@ def scales_f32(scales, st):
     """st[t * G + g] = float32(scales[t, g]) for a whole page tile (scales [page_size, G] uint16 float16 bits),
     one vectorised pass: converting one scale at a time where it is used chains every conversion to the previous
     one through a register merge (vpinsrw; 48 cycles per 128-value row, measured)."""
-    n = scales.shape[0] * scales.shape[1]
-    flat = scales.reshape(n)
-    for x in range(n):
-        st[x] = ld(flat[x])
+    h2f_all(scales, st)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -183,6 +295,49 @@ def pv_folded(S, c0, vp, st, s0, s1, acc):
 
 
 @njit(cache=True, fastmath=FAST)
+def qk_int8(qs, kp, st, s0, s1, S, c0):
+    """S[g, c0 + t - s0] = qs[g] . (kp[t] * its group scales) for t in [s0, s1), straight from the int8 rows
+    (`dot4_i8`: 4 rows per pass, the scale applied once per row group; for G < 4 query heads per kv head, where
+    widening a tile first would be re-read by too few heads). qs [G, D], kp [page_size, D] int8, st the page
+    tile's scales (`scales_f32`), S [G, block]."""
+    G = qs.shape[0]
+    D = qs.shape[1]
+    full = D // GROUP
+    NG = -(-D // GROUP)
+    for g in range(G):
+        qg = qs[g]
+        Sg = S[g]
+        t = s0
+        c = c0
+        while t + 4 <= s1:
+            r = dot4_i8(qg, kp, t, st, NG, full)
+            Sg[c] = r[0]
+            Sg[c + 1] = r[1]
+            Sg[c + 2] = r[2]
+            Sg[c + 3] = r[3]
+            t += 4
+            c += 4
+        while t < s1:
+            row = kp[t]
+            a = qg[0] - qg[0]
+            for k in range(full):
+                part = qg[0] - qg[0]
+                for d in range(k * GROUP, k * GROUP + GROUP):
+                    part += qg[d] * np.float32(row[d])
+                a += part * st[t * NG + k]
+            Sg[c] = a
+            t += 1
+            c += 1
+        if full < NG:                                    # a short last group
+            for t in range(s0, s1):
+                row = kp[t]
+                part = qg[0] - qg[0]
+                for d in range(full * GROUP, D):
+                    part += qg[d] * np.float32(row[d])
+                Sg[c0 + t - s0] += part * st[t * NG + full]
+
+
+@njit(cache=True, fastmath=FAST)
 def attend_range_int8(qs, kq, ks, vq, vs, pages, lo, hi, block, S, m, l, acc, kt, vt, kst, vst):
     """Unnormalised attention of every query head over positions [lo, hi) of one sequence (`pages`: its row of
     the page table), all kv heads. qs [Hkv, G, D] (scaled queries), S [Hkv, G, block], m, l [Hkv, G],
@@ -207,6 +362,9 @@ def attend_range_int8(qs, kq, ks, vq, vs, pages, lo, hi, block, S, m, l, acc, kt
                 scales_f32(ks[page, h], kst)
                 Sh = S[h]
                 qh = qs[h]
+                if G < 4:
+                    qk_int8(qh, kp, kst, s0, s1, Sh, c)
+                    continue
                 r = s0
                 while r < s1:
                     r1 = min(s1, r + RC)
@@ -216,7 +374,7 @@ def attend_range_int8(qs, kq, ks, vq, vs, pages, lo, hi, block, S, m, l, acc, kt
             c += s1 - s0
             t += s1 - s0
         for h in range(Hkv):
-            softmax_block(S[h], c, m[h], l[h], acc[h], first)
+            softmax_block(S[h], c, m[h], l[h], acc[h], first, ONE)   # scores pre-scaled (load_group)
         first = False
         c = 0
         t = b0
