@@ -98,6 +98,22 @@ class PageAllocator:
         self._refs[page] = 0
         self._parked.add(page)
 
+    def reference_all(self, pages: list[int]) -> set[int]:
+        """One more reference to each of ``pages`` (distinct); parked ones are adopted. Returns those (for
+        `unreference_all`, the exact inverse)."""
+        refs, parked = self._refs, self._parked
+        adopted = {page for page in pages if refs[page] == 0}
+        parked -= adopted
+        for page in pages:
+            refs[page] += 1
+        return adopted
+
+    def unreference_all(self, pages: list[int], adopted: set[int]) -> None:
+        refs = self._refs
+        for page in pages:
+            refs[page] -= 1
+        self._parked |= adopted
+
     def restore(self, free: list[int], refs: list[int], parked: set[int]) -> None:
         """Set the whole state (a snapshot being loaded; validated by the caller)."""
         self._free, self._refs, self._parked = list(free), list(refs), set(parked)

@@ -65,13 +65,17 @@ class KVCache:
     prefix_caching : bool         register full pages by their token ids and reuse them (`match_prefix`)
     namespace : str               the default namespace of new sequences (model fingerprint, adapter, tenant):
                                   pages are shared only within one namespace
+    prefix_salt : bytes or None   the key chain's salt (None: 16 random bytes); give one only to reproduce
+                                  keys (tests), never one a tenant could know
     """
 
     def __init__(self, *, num_kv_heads, head_dim, head_dim_v=None, num_layers=1, dtype="float32", page_size=16,
-                 num_pages=None, max_tokens=None, prefix_caching=False, namespace=""):
+                 num_pages=None, max_tokens=None, prefix_caching=False, namespace="", prefix_salt=None):
         if not isinstance(prefix_caching, (bool, np.bool_)):
             raise TypeError(f"prefix_caching: expected a bool, got {type(prefix_caching).__name__} {prefix_caching!r}")
         namespace = check_namespace("namespace", namespace)
+        if prefix_salt is not None and (not isinstance(prefix_salt, bytes) or len(prefix_salt) < 8):
+            raise TypeError(f"prefix_salt: expected None or bytes of length >= 8, got {prefix_salt!r}")
         self.config = cfg = CacheConfig.build(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                               head_dim_v=head_dim_v, page_size=page_size, num_pages=num_pages,
                                               max_tokens=max_tokens, dtype=dtype)
@@ -82,7 +86,7 @@ class KVCache:
         self._next_id = 0
         self._lock = threading.RLock()
         self.namespace = namespace
-        self._salt = os.urandom(16)
+        self._salt = os.urandom(16) if prefix_salt is None else prefix_salt
         self.index = PrefixIndex(self._salt, repr(cfg)) if prefix_caching else None
         self.fault_hook = no_fault
         self._seam = AppendSeam(lock=self._lock, idle_sequence=self._idle_sequence, sequence=self._sequence,
@@ -440,15 +444,12 @@ class KVCache:
             return
         self._fault_hook("adopt")
         alloc, index = self.allocator, self.index
-        cached = [(page, index.unpark(page)) for page in pages if alloc.ref_count(page) == 0]
-        parked = {page for page, _ in cached}
-        for page in pages:
-            alloc.adopt(page) if page in parked else alloc.incref(page)
+        adopted = alloc.reference_all(pages)
+        stamps = [(page, index.unpark(page)) for page in adopted]
 
         def undo():
-            for page in pages:
-                alloc.unadopt(page) if page in parked else alloc.decref(page)     # never reaches 0 here
-            for page, stamp in cached:
+            alloc.unreference_all(pages, adopted)
+            for page, stamp in stamps:
                 index.park(page, stamp)
         journal.record(undo)
 

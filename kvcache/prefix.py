@@ -6,11 +6,12 @@ Keys: ``key(page i) = sha256(key(page i - 1) || token ids of page i as int32 lit
 caller's namespace, the start position 0)``. Two sequences share a page only if the same tokens follow the
 same chain under the same namespace in the same cache.
 
-Lookups never trust a hash: `lookup(parent, tokens)` finds an entry by ``(parent key, token bytes)`` with
-dict equality (the token ids compared exactly) *and* requires the entry's parent to be the very entry the
-walk came from (object identity), so a colliding key can cost a hit (a page not registered) but never serve
-K/V computed after other tokens. An entry whose parent was evicted stays valid for the sequences holding its
-page, but no walk reaches it again.
+Lookups never trust a hash: every entry keeps its registered children by their token bytes (a radix tree of
+whole pages), so `lookup(parent, tokens)` compares the token ids exactly and only below the very entry the walk
+came from (the parent is checked by identity, not by key); a colliding key can cost a hit (a page not
+registered) but never serve K/V computed after other tokens. An entry whose parent was evicted stays valid for
+the sequences holding its page, but no walk reaches it again (a re-registered parent is a new entry with no
+children).
 
 Every mutating method has an exact inverse (for the cache's journal): `register`/`unregister`,
 `park`/`unpark`, `evict_oldest`/`restore_evicted`. The eviction order is the order pages were parked (a
@@ -42,20 +43,20 @@ class Entry:
     """A registered page: its ``key``, ``parent`` entry (a root entry for a sequence's first page), the page's
     ``tokens`` (bytes, `TOKEN_DTYPE`) and physical ``page`` (-1 for a root)."""
 
-    __slots__ = ("key", "parent", "tokens", "page", "namespace")
+    __slots__ = ("key", "parent", "tokens", "page", "namespace", "children")
 
     def __init__(self, key: bytes, parent, tokens: bytes, page: int, namespace: str):
         self.key, self.parent, self.tokens, self.page, self.namespace = key, parent, tokens, page, namespace
+        self.children: dict[bytes, "Entry"] = {}                # registered children by their token bytes
 
 
 class PrefixIndex:
-    """Entries by key, by ``(parent key, tokens)`` and by page; the evictable pages with their park stamps."""
+    """Entries by key, by page and as children of their parents; the evictable pages with their park stamps."""
 
     def __init__(self, salt: bytes, config_text: str, hash_page=page_key):
         self.salt, self.config_text, self.hash_page = salt, config_text, hash_page
         self._roots: dict[str, Entry] = {}
         self._by_key: dict[bytes, Entry] = {}
-        self._by_content: dict[tuple[bytes, bytes], Entry] = {}
         self._by_page: dict[int, Entry] = {}
         self._stamps: dict[int, int] = {}             # evictable page -> park stamp (smaller: older)
         self._heap: list[tuple[int, int]] = []        # (stamp, page), lazily pruned
@@ -72,8 +73,7 @@ class PrefixIndex:
 
     def lookup(self, parent: Entry, tokens: bytes) -> Entry | None:
         """The registered child of ``parent`` holding exactly ``tokens``, or None."""
-        entry = self._by_content.get((parent.key, tokens))
-        return entry if entry is not None and entry.parent is parent else None
+        return parent.children.get(tokens)
 
     def alive(self, entry: Entry | None) -> bool:
         """Whether ``entry`` is a root or still registered (not evicted)."""
@@ -85,14 +85,13 @@ class PrefixIndex:
 
     def walk(self, namespace: str, token_bytes: bytes, num_pages: int, page_bytes: int) -> list[Entry]:
         """The longest run of registered entries for the first ``num_pages`` pages of ``token_bytes``."""
-        parent, found = self.root(namespace), []
-        get = self._by_content.get
+        entry, found = self.root(namespace), []
+        append = found.append
         for offset in range(0, num_pages * page_bytes, page_bytes):
-            entry = get((parent.key, token_bytes[offset:offset + page_bytes]))
-            if entry is None or entry.parent is not parent:
+            entry = entry.children.get(token_bytes[offset:offset + page_bytes])
+            if entry is None:
                 break
-            found.append(entry)
-            parent = entry
+            append(entry)
         return found
 
     # -- registration -----------------------------------------------------------------------------------------
@@ -100,15 +99,15 @@ class PrefixIndex:
         """Register ``page`` (full, holding ``tokens`` after ``parent``'s chain); None, with nothing changed,
         when the key is already taken (a duplicate or a hash collision): the page then stays private."""
         key = self.hash_page(parent.key, tokens)
-        if key in self._by_key or (parent.key, tokens) in self._by_content or page in self._by_page:
+        if key in self._by_key or tokens in parent.children or page in self._by_page:
             return None
         entry = Entry(key, parent, tokens, page, parent.namespace)
-        self._by_key[key] = self._by_content[(parent.key, tokens)] = self._by_page[page] = entry
+        self._by_key[key] = parent.children[tokens] = self._by_page[page] = entry
         return entry
 
     def unregister(self, entry: Entry) -> None:
         """Exact inverse of the `register` that returned ``entry``."""
-        del self._by_key[entry.key], self._by_content[(entry.parent.key, entry.tokens)], self._by_page[entry.page]
+        del self._by_key[entry.key], entry.parent.children[entry.tokens], self._by_page[entry.page]
 
     # -- evictable pages --------------------------------------------------------------------------------------
     @property
@@ -142,16 +141,14 @@ class PrefixIndex:
 
     def restore_evicted(self, entry: Entry, stamp: int) -> None:
         """Exact inverse of the `evict_oldest` that returned ``(entry, stamp)``."""
-        self._by_key[entry.key] = self._by_content[(entry.parent.key, entry.tokens)] = entry
-        self._by_page[entry.page] = entry
+        self._by_key[entry.key] = entry.parent.children[entry.tokens] = self._by_page[entry.page] = entry
         self.park(entry.page, stamp)
 
     def restore(self, entries: list[Entry], eviction_order: list[int]) -> None:
         """Set the whole index (a snapshot being loaded; validated by the caller): entries, then the evictable
         pages in eviction order."""
         for entry in entries:
-            self._by_key[entry.key] = self._by_content[(entry.parent.key, entry.tokens)] = entry
-            self._by_page[entry.page] = entry
+            self._by_key[entry.key] = entry.parent.children[entry.tokens] = self._by_page[entry.page] = entry
         for page in eviction_order:
             self.park(page)
 
@@ -173,10 +170,10 @@ class PrefixIndex:
     def check_invariants(self, referenced: set[int], parked: set[int]) -> None:
         """AssertionError unless the three maps agree, evictable pages == the allocator's parked pages, and
         every registered page is referenced or evictable."""
-        assert len(self._by_key) == len(self._by_content) == len(self._by_page), "index maps differ in size"
+        assert len(self._by_key) == len(self._by_page), "index maps differ in size"
         for page, entry in self._by_page.items():
             assert entry.page == page and self._by_key[entry.key] is entry, f"page {page}: index maps disagree"
-            assert self._by_content[(entry.parent.key, entry.tokens)] is entry, f"page {page}: content map"
+            assert entry.parent.children.get(entry.tokens) is entry, f"page {page}: not its parent's child"
             assert page in referenced or page in parked, f"page {page}: registered but neither held nor evictable"
         assert set(self._stamps) == parked, (
             f"evictable pages {sorted(self._stamps)} != allocator's parked pages {sorted(parked)}")
