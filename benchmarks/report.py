@@ -499,6 +499,8 @@ def memory_series(rows) -> tuple[list, dict]:
         lab = str(r[label_keys[0]]) if label_keys else ""
         if "kv_heads" in r:
             lab += f" ({r['kv_heads']} kv)" if lab else f"{r['kv_heads']} kv heads"
+        if len({x.get("dtype") for x in rows}) > 1:          # several storage dtypes (float16 and int8 rows)
+            lab += f" {r.get('dtype')}"
         labels.append(lab)
     preferred = ["formula_bytes", "allocated_bytes", "rss_touched_bytes", "pool_resident_bytes", "naive_peak_bytes"]
     cols = [k for k in preferred if k in rows[0]]

@@ -11,6 +11,8 @@ import math
 import numpy as np
 from numba import njit
 
+from kvcache import quant
+
 FLOAT16_OVERFLOW = 65520.0                      # smallest magnitude that rounds to inf in float16
 FLOAT32_OVERFLOW = 3.4028235677973366e38     # float32 max + half an ulp: the smallest float64 that rounds to inf
 
@@ -36,7 +38,10 @@ def first_bad_input(q, k, v, q_limit, kv_limit):
 
 
 def overflow_limit(input_dtype: np.dtype, storage_dtype: np.dtype) -> float:
-    """Magnitude from which a value of ``input_dtype`` becomes inf in ``storage_dtype``."""
+    """Magnitude from which a value of ``input_dtype`` becomes inf in ``storage_dtype`` (int8: from which its
+    group's float16 scale would overflow, just above `kvcache.quant.MAX_ABS`)."""
+    if storage_dtype == quant.VALUE_DTYPE:
+        return float(np.nextafter(quant.MAX_ABS, np.inf))
     if storage_dtype.itemsize >= input_dtype.itemsize:
         return np.inf
     return FLOAT16_OVERFLOW if storage_dtype == np.float16 else FLOAT32_OVERFLOW

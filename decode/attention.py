@@ -2,12 +2,14 @@
 (`decode_units` on the calling thread, `plan_units` + `decode_parallel` on all threads; see docs/kernel.md).
 
     out = paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
-                                 scale=None, window=0, out=None)
+                                 scale=None, window=0, out=None, k_scales=None, v_scales=None)
 
 Shapes (named dimensions):
     q:            [num_queries, num_q_heads, head_dim]              float32 or float64
-    k_pages:      [num_pages, num_kv_heads, page_size, head_dim]    float16 / float32 / float64, C-contiguous
+    k_pages:      [num_pages, num_kv_heads, page_size, head_dim]    float16 / float32 / float64 / int8, C-contiguous
     v_pages:      [num_pages, num_kv_heads, page_size, head_dim_v]  same dtype as k_pages, C-contiguous
+    k_scales:     [num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]    float16, int8 pages only (None
+    v_scales:     [num_pages, num_kv_heads, page_size, ceil(head_dim_v / 32)]  otherwise): kvcache.quant's format
     page_indices: int [total_pages]     sequence s's logical page j is physical page
                                         page_indices[page_indptr[s] + j]; -1 = freed (outside the window)
     page_indptr:  int [num_seqs + 1]    CSR row pointers into page_indices
@@ -17,10 +19,13 @@ Shapes (named dimensions):
     returns       [num_queries, num_q_heads, head_dim_v]            float32 (float64 for float64 storage)
 
 Query head h uses kv head h // (num_q_heads // num_kv_heads) (GQA / MQA). Scores and accumulation are float32
-for float16/float32 storage (q is cast to float32) and float64 for float64 storage.
+for float16/float32/int8 storage (q is cast to float32) and float64 for float64 storage. int8 pages are read
+with their scales by `decode.kernels.int8` (no dequantized copy); like the K/V values, the scales are not
+checked (they come from the cache, which writes only finite ones).
 
 `_paged_decode_attention_unchecked` (same arguments, positional scale / window / out) skips validation: for
-callers that validated their inputs already (the Decoder).
+callers that validated their inputs already (the Decoder). `plan_decode` computes the work partition once
+(`DecodePlan`); `plan.run(...)` is the per-layer kernel call of a multi-layer token or batch step.
 """
 import math
 
@@ -32,10 +37,18 @@ from . import multiquery as _multiquery
 
 # Dispatch thresholds (measured, see docs/kernel.md)
 SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
-MIN_SPLIT_TOKENS = 256       # flash-decoding splits are never shorter than this (then rounded to whole blocks)
+MIN_SPLIT_WORK = 1 << 20     # a flash-decoding split holds at least this much work (tokens * num_q_heads *
+                             # (head_dim + head_dim_v)), then rounded up to whole blocks
+UNITS_PER_THREAD = 2         # a query's key range is cut into about this many units per thread (load balance)
+BLOCK_TOKENS = 64            # keys per online-softmax block (rounded down to whole pages, at least one page)
+PREFETCH_BYTES = 8192        # software prefetch distance along the walk of K and V runs
+INT8_MIN_SPLIT_TOKENS = 256  # the int8 kernel's shortest key-range split
 
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_STORAGE = _FLOATS + (np.dtype(np.int8),)
+_F16 = np.dtype(np.float16)
+_SCALE_GROUP = 32
 _Q_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
@@ -64,7 +77,7 @@ def _index_array(name, x, dtype):
 
 
 def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, *,
-                           scale=None, window=0, out=None) -> np.ndarray:
+                           scale=None, window=0, out=None, k_scales=None, v_scales=None) -> np.ndarray:
     """Attention of each query over its sequence's keys ``lo..p`` read through the page table.
 
     Every input is checked before anything is computed; errors are ``TypeError`` (wrong kinds: int / bool /
@@ -74,8 +87,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{name}: expected a numpy array, got {type(x).__name__}")
-        if x.dtype not in _FLOATS:
-            raise TypeError(f"{name}: expected float16, float32 or float64, got dtype {x.dtype}")
+        if x.dtype not in _STORAGE:
+            raise TypeError(f"{name}: expected float16, float32, float64 or int8, got dtype {x.dtype}")
         if x.ndim != 4:
             raise ValueError(f"{name}: expected a 4-d array [num_pages, num_kv_heads, page_size, head_dim], "
                              f"got shape {x.shape}")
@@ -92,6 +105,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
         raise ValueError(f"k_pages: expected num_kv_heads, page_size, head_dim >= 1, got shape {k_pages.shape}"
                          f" (v_pages {v_pages.shape})")
     compute = np.dtype(np.float64) if k_pages.dtype == np.float64 else np.dtype(np.float32)
+    _check_scales(k_pages, v_pages, k_scales, v_scales)
 
     # ---- queries
     q = _array("q", q, 3, "f", "a float32 or float64 array")
@@ -163,7 +177,27 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
     elif not q.flags.c_contiguous:
         q = np.ascontiguousarray(q)
     return _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
-                                             scale, window, out)
+                                             scale, window, out, k_scales=k_scales, v_scales=v_scales)
+
+
+def _check_scales(k_pages, v_pages, k_scales, v_scales) -> None:
+    """int8 pages need float16 scales ``[num_pages, num_kv_heads, page_size, ceil(width / 32)]``; float pages none."""
+    for name, pages, scales in (("k_scales", k_pages, k_scales), ("v_scales", v_pages, v_scales)):
+        if pages.dtype != np.int8:
+            if scales is not None:
+                raise ValueError(f"{name}: expected None for {pages.dtype} pages (scales belong to int8 pages), "
+                                 f"got {type(scales).__name__}")
+            continue
+        if not isinstance(scales, np.ndarray):
+            raise TypeError(f"{name}: expected a float16 numpy array for int8 pages, got {type(scales).__name__}")
+        if scales.dtype != _F16:
+            raise TypeError(f"{name}: expected dtype float16, got {scales.dtype}")
+        shape = pages.shape[:3] + (-(-pages.shape[3] // _SCALE_GROUP),)
+        if scales.shape != shape:
+            raise ValueError(f"{name}: expected shape [num_pages, num_kv_heads, page_size, ceil(width / 32)] = "
+                             f"{shape}, got {scales.shape}")
+        if not scales.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a C-contiguous array, got strides {scales.strides}")
 
 
 def _input_error(code, bad, q, compute, page_indices, page_indptr, query_seq, query_pos, num_pages, page_size,
@@ -194,8 +228,72 @@ def _input_error(code, bad, q, compute, page_indices, page_indptr, query_seq, qu
                       f"(sequence {s}), got a freed page (-1)")
 
 
+class DecodePlan:
+    """The work partition of one kernel call, computed once from the queries' positions and the shapes and reused
+    by every layer that attends with the same page table and positions (a multi-layer token or batch step).
+
+    serial: run `decode_units` on the calling thread (one unit per query); otherwise `decode_parallel` with
+    units [U, 4] = (query, lo, hi, slot), bounds [threads + 1], items [n_split, 3] (from `plan_units`).
+    block: keys per online-softmax block; ahead: prefetch distance (bytes)."""
+
+    __slots__ = ("serial", "block", "ahead", "units", "bounds", "items", "num_slots", "num_queries", "workspace")
+
+    def __init__(self, query_pos, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, page_size, dtype, *,
+                 mode=0, split_tokens=0):
+        nq = len(query_pos)
+        if nq == 1:
+            p1 = int(query_pos[0]) + 1
+            work = min(p1, window) if window else p1
+        elif window:
+            work = int(np.minimum(query_pos + 1, window).sum())
+        else:
+            work = int(query_pos.sum()) + nq
+        self.num_queries = nq
+        self.block = block = page_size * max(1, BLOCK_TOKENS // page_size)
+        self.ahead = PREFETCH_BYTES
+        serial = mode == 1 or (mode == 0 and work * num_q_heads * (head_dim + head_dim_v) < SERIAL_WORK)
+        if not serial:
+            nthreads = numba.get_num_threads()
+            min_split = -(-MIN_SPLIT_WORK // (num_q_heads * (head_dim + head_dim_v)))
+            split = split_tokens if split_tokens > 0 else max(min_split, -(-work // (UNITS_PER_THREAD * nthreads)))
+            split = -(-split // block) * block
+            serial = mode == 0 and (nthreads < 2 or (nq == 1 and work <= split))   # a single unit
+        self.serial = serial
+        if serial:
+            self.units, self.bounds, self.items, self.num_slots = _NO_UNITS, None, None, 0
+            self.workspace = _empty_workspace(dtype, num_kv_heads, num_q_heads // num_kv_heads, head_dim_v)
+        else:
+            self.units, self.bounds, self.items, self.num_slots = _kernels.plan_units(query_pos, window, split,
+                                                                                      nthreads)
+            self.workspace = None
+
+    def run(self, q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out):
+        """One layer: the kernel over this plan (arguments as `_paged_decode_attention_unchecked`; the positions
+        must be the ones the plan was made from). Returns out."""
+        if k_pages.dtype == np.float16:
+            k_pages = k_pages.view(np.uint16)
+            v_pages = v_pages.view(np.uint16)
+        if self.serial:
+            ws, wacc = self.workspace
+            _kernels.decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window,
+                                  scale, out, _NO_UNITS, 0, self.num_queries, self.block, self.ahead, ws, ws, wacc)
+            return out
+        return _kernels.decode_parallel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
+                                        window, out, self.units, self.bounds, self.items, self.num_slots,
+                                        self.block, self.ahead)
+
+
+def plan_decode(query_pos, window, q_shape, v_pages) -> DecodePlan:
+    """`DecodePlan` for queries ``q_shape = (num_queries, num_q_heads, head_dim)`` at ``query_pos`` (int64) over
+    pages shaped like ``v_pages [num_pages, num_kv_heads, page_size, head_dim_v]``."""
+    _, num_kv_heads, page_size, head_dim_v = v_pages.shape
+    dtype = np.dtype(np.float64) if v_pages.dtype == np.float64 else np.dtype(np.float32)
+    return DecodePlan(query_pos, window, q_shape[1], num_kv_heads, q_shape[2], head_dim_v, page_size, dtype)
+
+
 def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
-                                      scale, window, out, *, mode=0, split_tokens=0, tiled=True):
+                                      scale, window, out, *, mode=0, split_tokens=0, tiled=True, k_scales=None,
+                                      v_scales=None):
     """The kernel call with no checks, for callers that validated already (the Decoder).
 
     Requires: q C-contiguous in the compute dtype (float32 for float16/float32 storage, float64 for float64),
@@ -204,9 +302,13 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
     position backed by a valid page. Returns out.
 
     mode (testing / tuning): 0 = choose, 1 = serial, 2 = parallel. split_tokens > 0 (parallel) forces key-range
-    splits of that many tokens (rounded up to whole blocks of ~64 tokens); 0 = choose. tiled: runs of queries of
+    splits of that many tokens (rounded up to whole blocks); 0 = choose. tiled: runs of queries of
     one sequence at consecutive positions go to the tiled multi-query kernel (`decode.multiquery`); False: every
-    query through the single-query kernel."""
+    query through the single-query kernel. int8 pages: k_scales / v_scales float16 of the checked shapes; every
+    query goes through the int8 single-query kernel (`_int8_unchecked`; no tiled int8 multi-query kernel yet)."""
+    if k_scales is not None:
+        return _int8_unchecked(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq,
+                               query_pos, scale, window, out, mode, split_tokens)
     if k_pages.dtype == np.float16:
         k_pages = k_pages.view(np.uint16)
         v_pages = v_pages.view(np.uint16)
@@ -222,40 +324,61 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
                                                         mode=mode, split_tokens=split_tokens, tiled=False)
                 out[rest] = sub
             return out
-    if nq == 1:
-        p1 = int(query_pos[0]) + 1
-        work = min(p1, window) if window else p1
-    elif window:
-        work = int(np.minimum(query_pos + 1, window).sum())
-    else:
-        work = int(query_pos.sum()) + nq
     _, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, head_dim_v = v_pages.shape
-    G = num_q_heads // num_kv_heads
+    plan = DecodePlan(query_pos, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, page_size, q.dtype,
+                      mode=mode, split_tokens=split_tokens)
+    return plan.run(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out)
+
+
+_NO_UNITS = np.empty((0, 4), dtype=np.int64)
+_WORKSPACES = {}
+
+
+def _empty_workspace(dtype, num_kv_heads, group, head_dim_v):
+    key = (dtype, num_kv_heads, group, head_dim_v)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _WORKSPACES[key] = (np.empty((0, num_kv_heads, group), dtype),
+                                 np.empty((0, num_kv_heads, group, head_dim_v), dtype))
+    return ws
+
+
+def _visible_work(query_pos, window) -> int:
+    """Keys read over all queries (each query reads min(p + 1, window) keys)."""
+    nq = len(query_pos)
+    if nq == 1:
+        p1 = int(query_pos[0]) + 1
+        return min(p1, window) if window else p1
+    if window:
+        return int(np.minimum(query_pos + 1, window).sum())
+    return int(query_pos.sum()) + nq
+
+
+def _int8_unchecked(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos,
+                    scale, window, out, mode, split_tokens):
+    """int8 pages (`decode.kernels.int8`): serial below SERIAL_WORK, else units of (query, key range, all kv
+    heads) cut at ``split`` tokens (about two per thread) on all threads."""
+    ks, vs = k_scales.view(np.uint16), v_scales.view(np.uint16)
+    nq, num_q_heads, head_dim = q.shape
+    page_size, head_dim_v = v_pages.shape[2], v_pages.shape[3]
+    work = _visible_work(query_pos, window)
     block = page_size * max(1, 64 // page_size)
     serial = mode == 1 or (mode == 0 and work * num_q_heads * (head_dim + head_dim_v) < SERIAL_WORK)
     if not serial:
         nthreads = numba.get_num_threads()
-        split = split_tokens if split_tokens > 0 else max(MIN_SPLIT_TOKENS, -(-work * num_kv_heads // (4 * nthreads)))
+        split = split_tokens if split_tokens > 0 else max(INT8_MIN_SPLIT_TOKENS, -(-work // (2 * nthreads)))
         split = -(-split // block) * block
-        serial = mode == 0 and (nthreads < 2 or (nq * num_kv_heads == 1 and work <= split))   # a single unit
+        serial = mode == 0 and (nthreads < 2 or (nq == 1 and work <= split))       # a single unit
     if serial:
-        ws, wacc = _empty_workspace(q.dtype, G, head_dim_v)
-        _kernels.decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window,
-                              scale, out, _NO_UNITS, 0, nq * num_kv_heads, block, ws, ws, wacc)
+        _kernels.int8_units(q, k_pages, ks, v_pages, vs, page_indices, page_indptr, query_seq, query_pos, window,
+                            scale, out, _NO_UNITS4, 0, nq, block, _NO_WM, _NO_WM, _NO_WACC)
         return out
-    units, bounds, items, num_slots = _kernels.plan_units(query_pos, window, num_kv_heads, split, nthreads)
-    return _kernels.decode_parallel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
-                                    window, out, units, bounds, items, num_slots, block)
+    units, bounds, items, num_slots = _kernels.plan_int8(query_pos, window, split, nthreads)
+    return _kernels.int8_parallel(q, k_pages, ks, v_pages, vs, page_indices, page_indptr, query_seq, query_pos,
+                                  window, scale, out, units, bounds, items, num_slots, block)
 
 
-_NO_UNITS = np.empty((0, 5), dtype=np.int64)
-_WORKSPACES = {}
-
-
-def _empty_workspace(dtype, group, head_dim_v):
-    key = (dtype, group, head_dim_v)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = _WORKSPACES[key] = (np.empty((0, group), dtype), np.empty((0, group, head_dim_v), dtype))
-    return ws
+_NO_UNITS4 = np.empty((0, 4), dtype=np.int64)
+_NO_WM = np.empty((0, 1, 1), dtype=np.float32)
+_NO_WACC = np.empty((0, 1, 1, 1), dtype=np.float32)

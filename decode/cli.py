@@ -67,9 +67,11 @@ def cmd_memory(args) -> int:
     from kvcache import memory
 
     try:
-        rows = memory.memory_report(layers=args.layers, num_q_heads=args.q_heads, kv_heads=tuple(args.kv_heads),
-                                    tokens=args.tokens, head_dim=args.head_dim, dtype=args.dtype,
-                                    batch=args.batch, page_size=args.page_size, measure=not args.no_measure)
+        rows = [row for dtype in args.dtype
+                for row in memory.memory_report(layers=args.layers, num_q_heads=args.q_heads,
+                                                kv_heads=tuple(args.kv_heads), tokens=args.tokens,
+                                                head_dim=args.head_dim, dtype=dtype, batch=args.batch,
+                                                page_size=args.page_size, measure=not args.no_measure)]
     except ValueError as exc:
         print(f"kvengine memory: {exc}", file=sys.stderr)
         return 2
@@ -117,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8, 1])
     p.add_argument("--tokens", type=int, default=10_000)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="float16", choices=["float16", "float32", "float64"])
+    p.add_argument("--dtype", nargs="+", default=["float16", "int8"], choices=["float16", "float32", "float64", "int8"],
+                   help="storage dtypes, one set of rows each (default: float16 and int8)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-measure", action="store_true", help="formula and accounting only, no RSS measurement")

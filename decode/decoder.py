@@ -31,7 +31,8 @@ class Decoder:
     ----------
     num_q_heads, num_kv_heads, head_dim : int   num_q_heads must be a multiple of num_kv_heads (GQA / MQA)
     head_dim_v : int or None                    V head size (None: head_dim)
-    dtype : "float16" | "float32" | "float64"   storage dtype; outputs are float32 (float64 for float64)
+    dtype : "float16" | "float32" | "float64" | "int8"   storage dtype; outputs are float32 (float64 for
+                                                float64); int8 quantizes on write (`kvcache.quant`)
     page_size, max_tokens : int                 a private pool of ceil(max_tokens / page_size) pages
     scale : float or None                       score scale (None: 1 / sqrt(head_dim))
     window : int or None                        sliding window: position p reads keys in (p - window, p];
@@ -55,12 +56,37 @@ class Decoder:
         self._attach(cache, cache.create_sequence, num_q_heads, scale, window)
         return self
 
+    @classmethod
+    def from_prefix(cls, cache: KVCache, num_q_heads, token_ids, *, namespace=None, scale=None,
+                    window=None) -> tuple["Decoder", int]:
+        """A decoder of a new sequence holding the longest prefix of ``token_ids [N]`` cached in ``cache`` (a
+        `KVCache` with ``prefix_caching=True``), in whole pages, at most N - 1 tokens. Returns ``(decoder,
+        num_hit)``: the remaining ``token_ids[num_hit:]`` are still to be computed (``extend(..., token_ids=
+        token_ids[num_hit:])``)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a kvcache.KVCache, got {type(cache).__name__}")
+        self, hit = cls.__new__(cls), []
+
+        def new_seq():
+            match = cache.match_prefix(token_ids, namespace=namespace)
+            hit.append(match.num_tokens)
+            return match.seq
+        self._attach(cache, new_seq, num_q_heads, scale, window)
+        return self, hit[0]
+
+    @classmethod
+    def on_sequence(cls, cache: KVCache, seq: int, num_q_heads, *, scale=None, window=None) -> "Decoder":
+        """A decoder of the existing sequence ``seq`` of ``cache`` (a loaded snapshot's, say)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a kvcache.KVCache, got {type(cache).__name__}")
+        cache.length(seq)                                        # names a bad id
+        self = cls.__new__(cls)
+        self._attach(cache, lambda: seq, num_q_heads, scale, window)
+        return self
+
     def _attach(self, cache: KVCache, new_seq, num_q_heads, scale, window) -> None:
         """Check the arguments, then take the sequence ``new_seq()`` (so a bad argument leaves the cache as it was)."""
         cfg = cache.config
-        if cfg.quantized:                        # until decode/kernels/int8.py lands (issue 11)
-            raise TypeError("dtype: expected float16, float32 or float64 for a Decoder (int8 attention is not "
-                            "implemented yet), got int8")
         num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
         if num_q_heads % cfg.num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")
@@ -86,6 +112,8 @@ class Decoder:
         self._out_shape1 = (1, num_q_heads, cfg.head_dim_v)
         self._k_pages = [cache.k_pages(layer) for layer in range(cfg.num_layers)]   # views; the pool never moves
         self._v_pages = [cache.v_pages(layer) for layer in range(cfg.num_layers)]
+        self._k_scales = [cache.k_scales(layer) for layer in range(cfg.num_layers)]   # int8 only, else None
+        self._v_scales = [cache.v_scales(layer) for layer in range(cfg.num_layers)]
 
     # -- state --------------------------------------------------------------------------------------------
     @property
@@ -99,19 +127,21 @@ class Decoder:
 
     def kv(self, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Dense copies ``K [length, num_kv_heads, head_dim]``, ``V [length, num_kv_heads, head_dim_v]`` in the
-        storage dtype (from `first_position` on, once a sliding window released older pages)."""
+        storage dtype (int8: dequantized to float32; from `first_position` on, once a sliding window released
+        older pages)."""
         return self.cache.gather(self.seq, layer)
 
     # -- single-layer API ---------------------------------------------------------------------------------
-    def step(self, q, k, v) -> np.ndarray:
+    def step(self, q, k, v, *, token_ids=None) -> np.ndarray:
         """Append one token's ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` at position
         `length`, then return ``[num_q_heads, head_dim_v]``: ``q [num_q_heads, head_dim]`` attending over
-        positions ``0 .. length`` (the new token included).
+        positions ``0 .. length`` (the new token included). ``token_ids``: the token's id (an int or ``[1]``),
+        for prefix caching.
 
         The lean path: one jitted input check, the cache's single-token slot, the write and one kernel call."""
         self._single_layer("step")
         q, k, v = self._check_token(q, k, v)
-        token = self.cache.begin_token(self.seq)
+        token = self.cache.begin_token(self.seq, token_id=token_ids)
         try:
             out = self._attend_token(token, 0, q, k, v)
             token.commit()
@@ -122,22 +152,24 @@ class Decoder:
             self._release_after_commit()
         return out
 
-    def extend(self, q, k, v) -> np.ndarray:
+    def extend(self, q, k, v, *, token_ids=None) -> np.ndarray:
         """Append T tokens and attend with T queries: ``q [T, num_q_heads, head_dim]``,
         ``k [T, num_kv_heads, head_dim]``, ``v [T, num_kv_heads, head_dim_v]`` -> ``[T, num_q_heads, head_dim_v]``.
-        Query i sits at position ``start + i`` (start = `length` before the call) and reads keys ``<= start + i``."""
+        Query i sits at position ``start + i`` (start = `length` before the call) and reads keys ``<= start + i``.
+        ``token_ids [T]`` (optional): the tokens' ids, for prefix caching."""
         self._single_layer("extend")
-        with self.transaction(self._num_tokens(k)) as tx:
+        with self.transaction(self._num_tokens(k), token_ids=token_ids) as tx:
             return tx.extend(0, q, k, v)
 
-    def append(self, k, v) -> None:
-        """Append T tokens of K/V with no query (a prefill computed elsewhere): ``k [T, num_kv_heads, head_dim]``."""
+    def append(self, k, v, *, token_ids=None) -> None:
+        """Append T tokens of K/V with no query (a prefill computed elsewhere): ``k [T, num_kv_heads, head_dim]``;
+        ``token_ids [T]`` (optional) for prefix caching."""
         self._single_layer("append")
-        with self.transaction(self._num_tokens(k)) as tx:
+        with self.transaction(self._num_tokens(k), token_ids=token_ids) as tx:
             tx.append(0, k, v)
 
     # -- all layers ---------------------------------------------------------------------------------------
-    def transaction(self, num_tokens: int = 1) -> "DecoderTransaction":
+    def transaction(self, num_tokens: int = 1, *, token_ids=None) -> "DecoderTransaction":
         """Reserve ``num_tokens`` positions in every layer; write and attend layer by layer inside it::
 
             with dec.transaction(1) as tx:
@@ -145,8 +177,9 @@ class Decoder:
                     out = tx.step(layer, q[layer], k[layer], v[layer])
 
         The tokens become visible (``length`` grows) when the block exits normally; on any exception every
-        layer's write is undone."""
-        return DecoderTransaction([self], {self.seq: check_int("num_tokens", num_tokens)})
+        layer's write is undone. ``token_ids [num_tokens]`` (optional): the tokens' ids, for prefix caching."""
+        ids = None if token_ids is None else {self.seq: token_ids}
+        return DecoderTransaction([self], {self.seq: check_int("num_tokens", num_tokens)}, ids)
 
     def truncate(self, n: int) -> None:
         """Prefix invalidation: keep positions ``[0, n)``; later appends write from ``n``."""
@@ -195,7 +228,8 @@ class Decoder:
         self._qpos[0] = position
         out = np.empty(self._out_shape1, dtype=self.q_dtype)
         _paged_decode_attention_unchecked(q[None], self._k_pages[layer], self._v_pages[layer], indices, self._indptr,
-                                          self._query_seq1, self._qpos, self.scale, self.window, out)
+                                          self._query_seq1, self._qpos, self.scale, self.window, out,
+                                          k_scales=self._k_scales[layer], v_scales=self._v_scales[layer])
         return out[0]
 
     # -- checks -------------------------------------------------------------------------------------------
@@ -239,8 +273,7 @@ class Decoder:
         check_shape("v", v, self._v_shape, "[num_kv_heads, head_dim_v]")
         given = q, k, v                                # errors name the caller's values at the caller's [H, D] index
         q = cast_to_storage("q", q, self.q_dtype)
-        storage = self.config.dtype
-        k, v = cast_to_storage("k", k, storage), cast_to_storage("v", v, storage)
+        k, v = self.cache.check_storable("k", k), self.cache.check_storable("v", v)
         check_magnitude("q", given[0], self._q_limit, self.q_dtype)
         self._check_kv_magnitude(*given[1:])
         return np.ascontiguousarray(q), k, v
@@ -272,16 +305,16 @@ class DecoderTransaction:
     One token of one decoder goes through the cache's lean single-token path (`KVCache.begin_token`);
     anything larger through a general `kvcache.Transaction`."""
 
-    def __init__(self, decoders: list[Decoder], num_tokens: dict[int, int]):
+    def __init__(self, decoders: list[Decoder], num_tokens: dict[int, int], token_ids: dict | None = None):
         self.decoders = decoders
         self.cache = cache = decoders[0].cache
         self.num_tokens = num_tokens
         self._single_token = len(decoders) == 1 and num_tokens[decoders[0].seq] == 1
         if self._single_token:
-            self._tx = cache.begin_token(decoders[0].seq)
+            self._tx = cache.begin_token(decoders[0].seq, token_id=(token_ids or {}).get(decoders[0].seq))
             self.start = [self._tx.position]
         else:
-            self._tx = cache.transaction(num_tokens)
+            self._tx = cache.transaction(num_tokens, token_ids=token_ids)
             self.start = [self._tx.start[d.seq] for d in decoders]
         self._open = True
 
@@ -308,22 +341,54 @@ class DecoderTransaction:
         self._tx.rollback()
 
     # -- per layer --------------------------------------------------------------------------------------------
-    def append(self, layer: int, k, v) -> None:
-        """Write one layer's K/V of the (single) decoder: ``k [T, num_kv_heads, head_dim]``."""
-        dec = self.decoders[0]
-        self._guard(lambda: self._write(layer, 0, *dec.check_kv(k, v, self.num_tokens[dec.seq])))
-
-    def extend(self, layer: int, q, k, v) -> np.ndarray:
-        """Write one layer's K/V of the (single) decoder and attend with its T queries:
-        ``q [T, num_q_heads, head_dim]`` -> ``[T, num_q_heads, head_dim_v]``; query i at position start + i."""
-        dec, count = self.decoders[0], self.num_tokens[self.decoders[0].seq]
-
+    def append(self, layer: int, k, v, *, checked: bool = False) -> None:
+        """Write one layer's K/V of every decoder, no query: ``k`` / ``v`` as in `extend`."""
         def run():
-            checked_q = dec.check_query(q, count)
-            self._write(layer, 0, *dec.check_kv(k, v, count))
-            positions = np.arange(self.start[0], self.start[0] + count, dtype=np.int64)
-            return self._attend(layer, checked_q, np.zeros(count, dtype=np.int32), positions)
+            _, ks, vs = (None, k, v) if checked else self.check_tokens(None, k, v)
+            self._write_all(layer, ks, vs)
+        self._guard(run)
+
+    def extend(self, layer: int, q, k, v, *, checked: bool = False):
+        """Write one layer's K/V of every decoder and attend with their queries, in one kernel call.
+
+        Ragged form: ``q [N, num_q_heads, head_dim]``, ``k [N, num_kv_heads, head_dim]``,
+        ``v [N, num_kv_heads, head_dim_v]`` with N = sum of the decoders' token counts, decoder 0's tokens first
+        -> ``[N, num_q_heads, head_dim_v]``. List form: one ``[T_b, ...]`` array per decoder -> a list of
+        ``[T_b, num_q_heads, head_dim_v]``. Query t of decoder b sits at position ``start[b] + t``.
+        ``checked``: the arrays come from `check_tokens` (ragged, validated, cast) and are not checked again."""
+        def run():
+            qs, ks, vs = (q, k, v) if checked else self.check_tokens(q, k, v)
+            self._write_all(layer, ks, vs)
+            out = self._attend(layer, qs, self._query_seq(), self._query_pos())
+            return split_ragged(out, self.counts) if isinstance(q, (list, tuple)) else out
         return self._guard(run)
+
+    def check_tokens(self, q, k, v):
+        """`check_tokens` for this transaction's decoders and token counts."""
+        return check_tokens(self.decoders, self.counts, q, k, v)
+
+    @property
+    def counts(self) -> list[int]:
+        """New tokens of each decoder, in decoder order."""
+        return [self.num_tokens[d.seq] for d in self.decoders]
+
+    def _write_all(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store checked ragged ``k [N, H, D]``, ``v [N, H, Dv]`` (storage dtype), decoder by decoder."""
+        offset = 0
+        for b, count in enumerate(self.counts):
+            self._write(layer, b, k[offset:offset + count], v[offset:offset + count])
+            offset += count
+
+    def _query_seq(self) -> np.ndarray:
+        """int32 [N]: the page-table row (decoder index) of each ragged query."""
+        return np.repeat(np.arange(len(self.decoders), dtype=np.int32), self.counts)
+
+    def _query_pos(self) -> np.ndarray:
+        """int64 [N]: the absolute position of each ragged query (decoder b's start + t)."""
+        counts = self.counts
+        if len(counts) == 1:
+            return np.arange(self.start[0], self.start[0] + counts[0], dtype=np.int64)
+        return np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in zip(self.start, counts)])
 
     def step(self, layer: int, q, k, v) -> np.ndarray:
         """One token per decoder: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``,
@@ -374,7 +439,7 @@ class DecoderTransaction:
         size = self.cache.config.page_size
         for i, table in enumerate(tables):        # every decoder's first query reads from lo on (if it has one)
             first = max(0, self.start[i] - dec.window + 1) if dec.window else 0
-            if len(q) and table[first // size] < 0:
+            if len(q) and self.num_tokens[self.decoders[i].seq] and table[first // size] < 0:
                 raise_released(self.cache, self.decoders[i].seq, first, self.start[i])
         if len(tables) == 1:
             indices, indptr = tables[0], np.array([0, len(tables[0])], dtype=np.int64)
@@ -384,7 +449,8 @@ class DecoderTransaction:
             np.cumsum([len(t) for t in tables], out=indptr[1:])
         out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
         _paged_decode_attention_unchecked(q, dec._k_pages[layer], dec._v_pages[layer], indices, indptr,
-                                          query_seq, query_pos, dec.scale, dec.window, out)
+                                          query_seq, query_pos, dec.scale, dec.window, out,
+                                          k_scales=dec._k_scales[layer], v_scales=dec._v_scales[layer])
         return out
 
 
@@ -395,11 +461,81 @@ def raise_released(cache: KVCache, seq: int, first: int, position: int):
                      f"{position}), got positions < {cache.first_position(seq)} released (KVCache.release_before)")
 
 
-def batch_transaction(decoders) -> DecoderTransaction:
-    """One token for each of ``decoders`` (distinct sequences of one shared pool), written layer by layer;
-    ``tx.step(layer, q, k, v)`` decodes all of them in one kernel call. All or none of the tokens land."""
-    decoders = list(decoders)
-    if not decoders or not all(isinstance(d, Decoder) for d in decoders):
+def check_tokens(decoders, counts, q, k, v):
+    """Validate new tokens of ``decoders`` (``counts[b]`` for decoder b): ragged arrays or one array per
+    decoder, as in `DecoderTransaction.extend`; q may be None -> ragged ``q [N, num_q_heads, head_dim]``
+    (working precision; None if q is), ``k``, ``v`` (storage dtype). Errors of the list form name the element
+    (``q[1]: ...``), of the ragged form the ragged index."""
+    dec = decoders[0]
+    if not any(isinstance(x, (list, tuple)) for x in (q, k, v)):
+        total = sum(counts)
+        return (None if q is None else dec.check_query(q, total)), *dec.check_kv(k, v, total)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is None and name == "q":
+            continue
+        if not isinstance(x, (list, tuple)):
+            raise TypeError(f"{name}: expected a list of {len(counts)} arrays (one per decoder, like the other "
+                            f"inputs), got {type(x).__name__}")
+        if len(x) != len(counts):
+            raise ValueError(f"{name}: expected {len(counts)} arrays (one per decoder), got {len(x)}")
+    parts = ([], [], [])
+    for b, count in enumerate(counts):
+        try:
+            if q is not None:
+                parts[0].append(dec.check_query(q[b], count))
+            kb, vb = dec.check_kv(k[b], v[b], count)
+        except (TypeError, ValueError) as e:
+            msg = str(e)
+            raise type(e)(f"{msg[0]}[{b}]{msg[1:]}" if msg[1:2] == ":" else msg) from None
+        parts[1].append(kb)
+        parts[2].append(vb)
+    return tuple(np.concatenate(p) if p else None for p in parts)
+
+
+def split_ragged(x: np.ndarray, counts) -> list:
+    """``x [sum(counts), ...]`` -> a list of ``[counts[b], ...]`` views."""
+    return np.split(x, np.cumsum(counts)[:-1])
+
+
+def batch_transaction(decoders, num_tokens=None, *, token_ids=None) -> DecoderTransaction:
+    """New tokens for each of ``decoders`` (distinct sequences of one shared pool), written layer by layer:
+    one each (``num_tokens`` None: ``tx.step(layer, q, k, v)`` decodes all of them in one kernel call) or
+    ``num_tokens[b]`` >= 0 for decoder b (``tx.extend(layer, q, k, v)``, ragged or lists, see
+    `DecoderTransaction.extend`). Every page is reserved here; all or none of the tokens land.
+    ``token_ids`` (optional, for prefix caching): one id per decoder (``[B]``) for one token each, else one
+    ``[T_b]`` array per decoder or a ragged ``[N]`` array."""
+    decoders = _check_decoders(decoders)
+    counts = _check_counts(decoders, num_tokens)
+    return DecoderTransaction(decoders, counts, _token_ids(decoders, counts, num_tokens is None, token_ids))
+
+
+def _token_ids(decoders, counts: dict, one_each: bool, token_ids):
+    """``token_ids`` as {seq: ids} (None stays None); see `batch_transaction`."""
+    if token_ids is None:
+        return None
+    seqs = [d.seq for d in decoders]
+    if one_each:
+        if np.ndim(token_ids) != 1 or len(token_ids) != len(seqs):
+            raise ValueError(f"token_ids: expected one token id per decoder ({len(seqs)}), got shape "
+                             f"{np.shape(token_ids)}")
+        return {seq: [token_ids[i]] for i, seq in enumerate(seqs)}
+    sizes = [counts[seq] for seq in seqs]
+    if isinstance(token_ids, (list, tuple)):
+        if len(token_ids) != len(seqs):
+            raise ValueError(f"token_ids: expected {len(seqs)} id arrays (one per decoder), got {len(token_ids)}")
+        for b, (ids, n) in enumerate(zip(token_ids, sizes)):
+            if np.ndim(ids) != 1 or len(ids) != n:
+                raise ValueError(f"token_ids[{b}]: expected {n} token ids, got shape {np.shape(ids)}")
+        return dict(zip(seqs, token_ids))
+    if np.ndim(token_ids) != 1 or len(token_ids) != sum(sizes):
+        raise ValueError(f"token_ids: expected {sum(sizes)} token ids (ragged, decoder 0's first), got shape "
+                         f"{np.shape(token_ids)}")
+    return dict(zip(seqs, split_ragged(np.asarray(token_ids), sizes)))
+
+
+def _check_decoders(decoders) -> list:
+    decoders = list(decoders) if isinstance(decoders, (list, tuple)) else decoders
+    if not isinstance(decoders, list) or not decoders or not all(isinstance(d, Decoder) for d in decoders):
         raise TypeError(f"decoders: expected a non-empty list of Decoder, got {decoders!r}")
     first = decoders[0]
     for d in decoders[1:]:
@@ -411,10 +547,54 @@ def batch_transaction(decoders) -> DecoderTransaction:
     seqs = [d.seq for d in decoders]
     if len(set(seqs)) != len(seqs):
         raise ValueError(f"decoders: expected distinct sequences, got sequence ids {seqs}")
-    return DecoderTransaction(decoders, {seq: 1 for seq in seqs})
+    return decoders
 
 
-def batch_step(decoders, q, k, v) -> np.ndarray:
+def _check_counts(decoders, num_tokens) -> dict:
+    if num_tokens is None:
+        return {d.seq: 1 for d in decoders}
+    if isinstance(num_tokens, np.ndarray):
+        num_tokens = num_tokens.tolist()
+    if not isinstance(num_tokens, (list, tuple)) or len(num_tokens) != len(decoders):
+        raise ValueError(f"num_tokens: expected {len(decoders)} token counts (one per decoder), got {num_tokens!r}")
+    return {d.seq: check_int(f"num_tokens[{b}]", n) for b, (d, n) in enumerate(zip(decoders, num_tokens))}
+
+
+def batch_extend(decoders, q, k, v, num_tokens=None, *, token_ids=None):
+    """Append each decoder's own number of new tokens and attend with their queries, in one kernel call
+    (batched prefill, speculative verification of several sequences) on a one-layer pool.
+
+    List form (``num_tokens`` None): ``q[b] [T_b, num_q_heads, head_dim]``, ``k[b] [T_b, num_kv_heads,
+    head_dim]``, ``v[b] [T_b, num_kv_heads, head_dim_v]`` -> a list of ``[T_b, num_q_heads, head_dim_v]``.
+    Ragged form: ``q [N, num_q_heads, head_dim]`` etc. with ``num_tokens = [T_0, T_1, ...]`` (N = their sum,
+    decoder 0's tokens first) -> ``[N, num_q_heads, head_dim_v]``. Query t of decoder b sits at position
+    ``length_b + t``. Everything is validated before any page is reserved; all or none of the tokens land.
+    ``token_ids`` (optional, for prefix caching): one ``[T_b]`` array per decoder or a ragged ``[N]`` array.
+    Several layers: `batch_transaction(decoders, num_tokens)` and ``tx.extend(layer, ...)``."""
+    decoders = _check_decoders(decoders)
+    decoders[0]._single_layer("batch_extend")
+    if num_tokens is None:
+        if not isinstance(k, (list, tuple)):
+            raise TypeError(f"k: expected a list of arrays (one per decoder) or num_tokens with ragged arrays, "
+                            f"got {type(k).__name__} and num_tokens=None")
+        if len(k) != len(decoders):
+            raise ValueError(f"k: expected {len(decoders)} arrays (one per decoder), got {len(k)}")
+        shapes = [np.shape(x) for x in k]
+        for b, shape in enumerate(shapes):
+            if len(shape) != 3:
+                raise ValueError(f"k[{b}]: expected shape [T, num_kv_heads, head_dim], got {shape}")
+        num_tokens_ = [shape[0] for shape in shapes]
+    else:
+        num_tokens_ = num_tokens
+    counts = _check_counts(decoders, num_tokens_)
+    ids = _token_ids(decoders, counts, False, token_ids)
+    checked = check_tokens(decoders, list(counts.values()), q, k, v)       # before anything is reserved
+    with DecoderTransaction(decoders, counts, ids) as tx:
+        out = tx.extend(0, *checked, checked=True)
+    return split_ragged(out, tx.counts) if num_tokens is None else out
+
+
+def batch_step(decoders, q, k, v, *, token_ids=None) -> np.ndarray:
     """Continuous batching on a one-layer pool: append one token to each decoder and attend, in one kernel call.
 
     ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``, ``v [B, num_kv_heads, head_dim_v]``
@@ -423,5 +603,5 @@ def batch_step(decoders, q, k, v) -> np.ndarray:
     decoders = list(decoders)
     if decoders and isinstance(decoders[0], Decoder):
         decoders[0]._single_layer("batch_step")
-    with batch_transaction(decoders) as tx:
+    with batch_transaction(decoders, token_ids=token_ids) as tx:
         return tx.step(0, q, k, v)

@@ -34,3 +34,43 @@ class InjectedFault(RuntimeError):
 class ScaleOverflowError(ValueError):
     """An input row of an int8 cache holds a value too large for its group's float16 scale
     (``|x| > kvcache.quant.MAX_ABS``); nothing was changed. A ValueError: it is bad input."""
+
+
+class SnapshotError(ValueError):
+    """A snapshot file that cannot be loaded; the message says what is wrong and where."""
+
+    def __init__(self, path, what: str):
+        self.path = str(path)
+        super().__init__(f"snapshot {self.path}: {what}")
+
+
+class SnapshotTruncatedError(SnapshotError):
+    """The file ends before the data its header announces."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """The header or a tensor cannot be parsed (not a safetensors file, bad JSON, bad offsets)."""
+
+
+class SnapshotChecksumError(SnapshotError):
+    """A tensor's bytes do not match the sha256 recorded for it (a flipped byte)."""
+
+
+class SnapshotVersionError(SnapshotError):
+    """Not a pagedkv snapshot, or one of another format version."""
+
+
+class SnapshotConfigError(SnapshotError):
+    """The snapshot's cache config is not the one the caller expected (or not a valid config)."""
+
+
+class SnapshotFormatError(SnapshotError):
+    """A tensor is missing or has the wrong dtype or shape for the config."""
+
+
+class SnapshotRangeError(SnapshotError):
+    """A page id, sequence id, length or count outside its valid range."""
+
+
+class SnapshotInconsistentError(SnapshotError):
+    """Parts disagree: reference counts vs page tables, the page partition, the key chains, token ids."""

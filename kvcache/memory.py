@@ -3,9 +3,14 @@
     formula bytes = layers * batch * tokens * kv_heads * (head_dim + head_dim_v) * bytes_per_element
                   = 2 * layers * batch * tokens * kv_heads * head_dim * bytes_per_element   (head_dim_v == head_dim)
 
+int8 storage (`kvcache.quant`) stores 1 byte per element plus a float16 scale per 32 values of each row:
+
+    scale bytes   = layers * batch * tokens * kv_heads * (ceil(head_dim / 32) + ceil(head_dim_v / 32)) * 2
+    formula bytes = the formula above with bytes_per_element = 1, plus the scale bytes  (6.25% at head_dim 128)
+
 The whole API (the console ``memory`` command calls these):
 
-- `kv_bytes_formula` -- the formula above (an int).
+- `kv_bytes_formula` -- the formula above (an int); `kv_scale_bytes_formula` -- the int8 scale bytes.
 - `cache_memory(cache)` -- accounting of one live cache (a dict of ints): formula bytes of the tokens it holds,
   allocated pool bytes, bytes in used pages, tail-page waste, metadata estimate.
 - `memory_report(...)` -- one row (a JSON-friendly dict) per KV-head count: builds a cache of exactly enough
@@ -33,7 +38,8 @@ import numpy as np
 
 from .cache import KVCache
 
-__all__ = ["GIB", "MIB", "kv_bytes_formula", "cache_memory", "memory_report", "format_table", "attention_kind"]
+__all__ = ["GIB", "MIB", "kv_bytes_formula", "kv_scale_bytes_formula", "cache_memory", "memory_report",
+           "format_table", "attention_kind"]
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -62,6 +68,20 @@ def kv_bytes_formula(layers: int, batch: int, tokens: int, kv_heads: int, head_d
     head_dim_v = head_dim if head_dim_v is None else _int("head_dim_v", head_dim_v)
     bytes_per_element = _int("bytes_per_element", bytes_per_element)
     return layers * batch * tokens * kv_heads * (head_dim + head_dim_v) * bytes_per_element
+
+
+def kv_scale_bytes_formula(layers: int, batch: int, tokens: int, kv_heads: int, head_dim: int,
+                           head_dim_v: int | None = None) -> int:
+    """Bytes of the float16 scales of int8 storage: ``layers * batch * tokens * kv_heads * (ceil(head_dim / 32)
+    + ceil(head_dim_v / 32)) * 2`` (one scale per 32 values of each K and V row, `kvcache.quant`)."""
+    from . import quant
+
+    layers, batch = _int("layers", layers), _int("batch", batch)
+    tokens, kv_heads = _int("tokens", tokens, minimum=0), _int("kv_heads", kv_heads)
+    head_dim = _int("head_dim", head_dim)
+    head_dim_v = head_dim if head_dim_v is None else _int("head_dim_v", head_dim_v)
+    groups = quant.num_groups(head_dim) + quant.num_groups(head_dim_v)
+    return layers * batch * tokens * kv_heads * groups * quant.SCALE_DTYPE.itemsize
 
 
 def attention_kind(num_q_heads: int, kv_heads: int) -> str:
@@ -175,7 +195,8 @@ def _build_and_fill(shape: dict, measure: bool) -> dict:
     and return `cache_memory` (plus RSS readings when ``measure``). Runs in the measuring subprocess."""
     layers, kv, d, tokens = shape["layers"], shape["kv_heads"], shape["head_dim"], shape["tokens"]
     dtype, chunk = np.dtype(shape["dtype"]), shape["chunk"]
-    block = np.full((layers, chunk, kv, d), 0.5, dtype=dtype)       # touched now: part of the baseline
+    inputs = np.float32 if dtype == np.int8 else dtype              # int8 storage takes float input
+    block = np.full((layers, chunk, kv, d), 0.5, dtype=inputs)      # touched now: part of the baseline
     rss = {}
     _trim_heap()
     if measure:
@@ -296,33 +317,41 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
             raise ValueError(f"kv_heads: expected a divisor of num_q_heads={num_q_heads}, got {kv}")
     from .checks import check_storage_dtype
     storage = check_storage_dtype("dtype", dtype)
+    quantized = storage == np.int8
     pages_per_seq = -(-tokens // page_size)
     num_pages = max(1, batch * pages_per_seq)
 
+    def token_bytes(kv):                                 # K and V of one token, all layers (int8: with scales)
+        scales = kv_scale_bytes_formula(layers, 1, 1, kv, head_dim) if quantized else 0
+        return layers * kv * 2 * head_dim * storage.itemsize + scales
+
     shapes = []
     for kv in kv_list:
-        chunk = max(1, min(tokens, FILL_CHUNK_BYTES // (layers * kv * head_dim * storage.itemsize)))
+        input_size = 4 if quantized else storage.itemsize
+        chunk = max(1, min(tokens, FILL_CHUNK_BYTES // (layers * kv * head_dim * input_size)))
         shapes.append({"layers": layers, "kv_heads": kv, "head_dim": head_dim, "tokens": tokens, "batch": batch,
                        "page_size": page_size, "num_pages": num_pages, "dtype": storage.name, "chunk": chunk})
     if measure:                                          # refuse before measuring anything
         for shape in shapes:
-            _check_fits(shape, num_pages * page_size * layers * shape["kv_heads"] * 2 * head_dim * storage.itemsize)
+            _check_fits(shape, num_pages * page_size * token_bytes(shape["kv_heads"]))
 
     rows = []
     for shape in shapes:
         kv = shape["kv_heads"]
-        pool_bytes = num_pages * page_size * layers * kv * 2 * head_dim * storage.itemsize
+        pool_bytes = num_pages * page_size * token_bytes(kv)
         naive = {}
         if measure:
             result = _measure_in_subprocess(shape, timeout)
-            if naive_peak and tokens:
+            if naive_peak and tokens and not quantized:    # the naive cache holds floats: no int8 twin
                 naive = _measure_in_subprocess(dict(shape, naive=True), timeout)
         else:                                            # same pages, heads of size 1: accounting only
             twin = dict(shape, layers=1, kv_heads=1, head_dim=1, chunk=max(shape["chunk"], tokens // 1000))
             result = _build_and_fill(twin, measure=False)
         acc = result["accounting"]
-        formula = kv_bytes_formula(layers, batch, tokens, kv, head_dim, storage.itemsize)
-        used = acc["pages_used"] * page_size * layers * kv * 2 * head_dim * storage.itemsize
+        values = kv_bytes_formula(layers, batch, tokens, kv, head_dim, storage.itemsize)
+        scales = kv_scale_bytes_formula(layers, batch, tokens, kv, head_dim) if quantized else 0
+        formula = values + scales
+        used = acc["pages_used"] * page_size * token_bytes(kv)
         rss = result.get("rss", {})
         touched = rss.get("touched")
         pool = result.get("pool_resident") or (None, None)
@@ -332,6 +361,9 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
             "head_dim": head_dim, "dtype": storage.name, "page_size": page_size, "num_pages": num_pages,
             "formula_bytes": formula,
             "formula_gib": formula / GIB,
+            "value_bytes": values,
+            "scale_bytes": scales,
+            "scale_overhead": scales / values if values else 0.0,
             "allocated_bytes": pool_bytes,
             "used_bytes": used,
             "tail_waste_bytes": used - formula,
@@ -364,8 +396,11 @@ def _size(value) -> str:
 
 COLUMNS = [
     ("kv_heads", lambda r: f"{r['kv_heads']} ({r['attention']})"),
+    ("dtype", lambda r: r["dtype"]),
     ("formula bytes", lambda r: f"{r['formula_bytes']:,}"),
     ("formula", lambda r: _size(r["formula_bytes"])),
+    ("of which scales", lambda r: "-" if not r.get("scale_bytes") else
+     f"{_size(r['scale_bytes'])} (+{100 * r['scale_overhead']:.2f}%)"),
     ("allocated", lambda r: _size(r["allocated_bytes"])),
     ("used", lambda r: _size(r["used_bytes"])),
     ("tail waste", lambda r: _size(r["tail_waste_bytes"])),
@@ -392,7 +427,7 @@ def format_table(rows: list[dict]) -> str:
     lines.insert(1, "  ".join("-" * width for width in widths))
     r = rows[0]
     lines.append(f"shape: layers={r['layers']} num_q_heads={r['num_q_heads']} batch={r['batch']} "
-                 f"tokens={r['tokens']} head_dim={r['head_dim']} dtype={r['dtype']} page_size={r['page_size']} "
+                 f"tokens={r['tokens']} head_dim={r['head_dim']} dtype={'/'.join(dict.fromkeys(row['dtype'] for row in rows))} page_size={r['page_size']} "
                  f"num_pages={r['num_pages']}; RSS columns are increases over the measuring process's baseline")
     return "\n".join(lines)
 

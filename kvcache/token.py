@@ -2,7 +2,8 @@
 
 Same guarantees as `Transaction` (validated input, all layers or none, exact rollback, the same fault points)
 at a fraction of its Python overhead: when the token fits in the sequence's own last page, no page is
-allocated and nothing is journaled except the few bytes each write overwrites.
+allocated and nothing is journaled except the few bytes each write overwrites. It reaches the cache's state
+only through the `kvcache.seam.AppendSeam` the cache hands it.
 """
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from .checks import check_int
 from .journal import Journal
+from .seam import AppendSeam
 
 if TYPE_CHECKING:
     from .cache import KVCache
@@ -18,20 +20,22 @@ if TYPE_CHECKING:
 class TokenWrite:
     """One reserved slot at position ``length`` of ``seq``; `write` each layer, then `commit` (or `rollback`)."""
 
-    __slots__ = ("cache", "seq", "_s", "position", "page", "offset", "_journal", "_saved", "_written", "state")
+    __slots__ = ("cache", "seq", "_seam", "_s", "position", "page", "offset", "_journal", "_saved", "_written",
+                 "_token_ids", "state")
 
-    def __init__(self, cache: "KVCache", seq: int):
-        self.cache, self.seq = cache, seq
+    def __init__(self, cache: "KVCache", seam: AppendSeam, seq: int, token_id=None):
+        self.cache, self.seq, self._seam = cache, seq, seam
         self._saved: list = []
         self._written = 0
-        with cache._lock:
-            s = self._s = cache._idle_sequence(seq)
+        self._token_ids = None if token_id is None else {seq: token_id}     # int32 [1], checked by the cache
+        with seam.lock:
+            s = self._s = seam.idle_sequence(seq)
             size = cache.config.page_size
             self.position = s.length
-            if s.length % size == 0 or cache.allocator.ref_count(int(s.table[s.num_logical_pages - 1])) > 1:
+            if s.length % size == 0 or seam.needs_copy(int(s.table[s.num_logical_pages - 1])):
                 self._journal = Journal()                  # a new page, or a copy-on-write of a shared one
                 try:
-                    cache._reserve({seq: 1}, self._journal)
+                    seam.reserve({seq: 1}, self._journal)
                 except BaseException:
                     self._journal.rollback()
                     raise
@@ -51,8 +55,7 @@ class TokenWrite:
             self._require_open()
             if type(layer) is not int or not 0 <= layer < cache.config.num_layers:
                 layer = check_int("layer", layer, maximum=cache.config.num_layers - 1)
-            cache._pool.write(layer, self.page, self.offset, k[:, None], v[:, None], cache._fault_hook,
-                              saved=self._saved)                          # [num_kv_heads, 1, head_dim]
+            self._seam.write_slot(layer, self.page, self.offset, k, v, self._saved)
             self._written |= 1 << layer
         except BaseException:
             self.rollback()
@@ -68,8 +71,8 @@ class TokenWrite:
         try:
             if self._written != (1 << cache.config.num_layers) - 1:
                 raise ValueError(f"commit: expected every layer written, got layer mask {self._written:b}")
-            with cache._lock:
-                cache._publish({self.seq: 1}, {self.seq: self.position})
+            with self._seam.lock:
+                self._seam.publish({self.seq: 1}, {self.seq: self.position}, self._token_ids)
         except BaseException:
             self.rollback()
             raise
@@ -82,7 +85,7 @@ class TokenWrite:
     def rollback(self) -> None:
         if self.state != "open":
             return
-        with self.cache._lock:
+        with self._seam.lock:
             for dst, saved in reversed(self._saved):
                 dst[...] = saved
             if self._journal is not None:

@@ -3,7 +3,10 @@ publish the new lengths at once; on any failure every change is undone.
 
 Order of work: `begin` reserves every page the tokens need (one allocation for the whole request, plus a
 copy-on-write copy of a shared, partially filled last page); `write` stores one layer's K/V of one sequence
-(saving the bytes it overwrites); `commit` checks every layer was written and publishes the lengths.
+(saving the bytes it overwrites); `commit` checks every layer was written and publishes the lengths (and
+registers pages that became full with known token ids, under prefix caching).
+
+A transaction reaches the cache's state only through the `kvcache.seam.AppendSeam` the cache hands it.
 """
 from typing import TYPE_CHECKING
 
@@ -11,6 +14,7 @@ import numpy as np
 
 from .checks import check_int
 from .journal import Journal
+from .seam import AppendSeam
 
 if TYPE_CHECKING:
     from .cache import KVCache
@@ -26,9 +30,10 @@ class Transaction:
                 tx.write(layer, seq, k[layer], v[layer])     # k: [T, num_kv_heads, head_dim]
     """
 
-    def __init__(self, cache: "KVCache", num_tokens: dict[int, int]):
-        self.cache = cache
+    def __init__(self, cache: "KVCache", seam: AppendSeam, num_tokens: dict[int, int], token_ids: dict | None = None):
+        self.cache, self._seam = cache, seam
         self.num_tokens = dict(num_tokens)
+        self.token_ids = dict(token_ids or {})       # seq -> int32 [num_tokens[seq]] (checked by the cache)
         self.start = {}                      # seq -> length before the transaction (= first new position)
         self._written = {}                   # seq -> bool [num_layers]
         self._journal = Journal()
@@ -36,11 +41,12 @@ class Transaction:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def begin(self) -> "Transaction":
-        with self.cache._lock:
+        seam = self._seam
+        with seam.lock:
             try:
-                self.cache._reserve(self.num_tokens, self._journal)
+                seam.reserve(self.num_tokens, self._journal)
                 for seq in self.num_tokens:
-                    self.start[seq] = self.cache._sequence(seq).length
+                    self.start[seq] = seam.sequence(seq).length
                     self._written[seq] = np.zeros(self.cache.config.num_layers, dtype=bool)
             except BaseException:
                 self._journal.rollback()
@@ -63,7 +69,7 @@ class Transaction:
             layer = check_int("layer", layer, maximum=self.cache.config.num_layers - 1)
             if not checked:
                 k, v = self.cache.check_kv(k, v, self.num_tokens[seq], layered=False)
-            self.cache._write(layer, seq, self.start[seq], k, v, self._journal)
+            self._seam.write(layer, seq, self.start[seq], k, v, self._journal)
             self._written[seq][layer] = True
         except BaseException:
             self.rollback()
@@ -75,8 +81,8 @@ class Transaction:
             missing = {s: np.flatnonzero(~w).tolist() for s, w in self._written.items() if not w.all()}
             if missing:
                 raise ValueError(f"commit: expected every layer written, got layers {missing} missing (seq: layers)")
-            with self.cache._lock:
-                self.cache._publish(self.num_tokens, self.start)
+            with self._seam.lock:
+                self._seam.publish(self.num_tokens, self.start, self.token_ids)
         except BaseException:
             self.rollback()
             raise
@@ -86,10 +92,10 @@ class Transaction:
     def rollback(self) -> None:
         if self.state != "open":
             return
-        with self.cache._lock:
+        with self._seam.lock:
             self._journal.rollback()
             for seq in self.num_tokens:
-                self.cache._sequence(seq).busy = False
+                self._seam.sequence(seq).busy = False
         self.state = "rolled back"
 
     def __enter__(self) -> "Transaction":
@@ -105,7 +111,7 @@ class Transaction:
     # -- views for attention inside the transaction ----------------------------------------------------------
     def pages(self, seq: int) -> np.ndarray:
         """``int32 [num_logical_pages]``: the page table including the reserved pages."""
-        return self.cache._sequence(seq).pages()
+        return self._seam.sequence(seq).pages()
 
     def _require_open(self) -> None:
         if self.state != "open":

@@ -83,7 +83,8 @@ class ForwardPlan:
         try:
             out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
                                          self.page_indptr, self.query_seq, self.query_pos, scale=scale,
-                                         window=window)                                   # [N, Hq, Dv]
+                                         window=window, k_scales=self.pool.k_scales(layer),
+                                         v_scales=self.pool.v_scales(layer))              # [N, Hq, Dv]
         finally:
             numba.set_num_threads(threads)
         result = torch.from_numpy(out).to(query.dtype)

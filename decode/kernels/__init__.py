@@ -5,6 +5,7 @@
     blocks.py     jitted building blocks over one page tile: q.k scores, p.v accumulation, online-softmax update,
                   normalise, split-K combine
     decode.py     the single-query ("decode") kernel: work units, planning, the parallel driver
+    int8.py       the same over int8 pages and their float16 group scales (kvcache.quant's format)
     checks.py     the one-pass input check of the validating wrapper
 
 Everything here takes arrays and scalars only: no globals, no objects, no checks. The validating entry point is
@@ -25,3 +26,4 @@ Compute dtype: float32 for float16 (uint16) and float32 storage, float64 for flo
 from .cachedir import NUMBA_CACHE_FALLBACK  # noqa: F401  (first: settles numba's cache directory)
 from .checks import check_inputs  # noqa: F401
 from .decode import decode_parallel, decode_units, plan_units  # noqa: F401
+from .int8 import int8_parallel, int8_units, plan_int8  # noqa: F401

@@ -287,7 +287,7 @@ def test_constructor_errors_name_the_argument():
     with pytest.raises(ValueError, match="num_q_heads: expected a multiple of num_kv_heads=2, got 3"):
         make(num_q_heads=3)
     with pytest.raises(TypeError, match="dtype"):
-        make(dtype="int8")
+        make(dtype="int16")
     with pytest.raises(ValueError, match="page_size"):
         make(page_size=0)
     with pytest.raises(ValueError, match="scale"):

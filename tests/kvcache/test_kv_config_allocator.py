@@ -202,7 +202,7 @@ def test_allocator_check_invariants_detects_corruption():
         alloc.check_invariants([[0, 1], [0]])
     alloc._free.pop()
     alloc._free.pop()                                 # a page neither free nor referenced: leaked
-    with pytest.raises(AssertionError, match=r"free 1 \+ in use 2 != total 4"):
+    with pytest.raises(AssertionError, match=r"free 1 \+ parked 0 \+ in use 2 != total 4"):
         alloc.check_invariants([[0, 1], [0]])
     alloc = PageAllocator(2)
     alloc.allocate(1)

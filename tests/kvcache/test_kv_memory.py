@@ -7,7 +7,7 @@ import pytest
 
 import kvcache
 from kvcache import memory
-from kvcache.memory import GIB, cache_memory, format_table, kv_bytes_formula, memory_report
+from kvcache.memory import GIB, cache_memory, format_table, kv_bytes_formula, kv_scale_bytes_formula, memory_report
 
 
 # -- the formula ---------------------------------------------------------------------------------------------------
@@ -215,3 +215,33 @@ def test_small_real_measurement_matches_formula():
 def test_naive_peak_can_be_skipped_and_is_absent_without_measuring():
     [row] = memory_report(layers=1, num_q_heads=2, kv_heads=2, tokens=4, head_dim=4, measure=False)
     assert row["naive_peak_bytes"] is None and row["naive_peak_over_formula"] is None
+
+
+def test_report_int8_formula_counts_the_scales():
+    rows = memory_report(measure=False, dtype="int8")
+    values = [2_621_440_000, 655_360_000, 81_920_000]                    # 1 byte per element
+    scales = [v // 16 for v in values]                                    # a float16 per 32 values: +6.25%
+    assert [r["value_bytes"] for r in rows] == values
+    assert [r["scale_bytes"] for r in rows] == scales
+    assert [r["formula_bytes"] for r in rows] == [v + s for v, s in zip(values, scales)]
+    for row in rows:
+        assert row["dtype"] == "int8" and row["scale_overhead"] == 0.0625
+        assert row["allocated_bytes"] == row["used_bytes"] == row["formula_bytes"]
+    table = format_table(rows)
+    assert "of which scales" in table and "(+6.25%)" in table and "dtype=int8" in table
+    assert kv_scale_bytes_formula(1, 1, 1, 1, 40, 33) == (2 + 2) * 2
+
+
+def test_small_real_int8_measurement_matches_formula():
+    """About 220 MiB of int8 values and scales touched: the resident increase is within 2% of the formula."""
+    pytest.importorskip("psutil")
+    for attempt in range(2):
+        [row] = memory_report(layers=4, num_q_heads=8, kv_heads=(8,), tokens=25_600, head_dim=128,
+                              dtype="int8", page_size=16)
+        assert row["formula_bytes"] == 4 * 25_600 * 8 * (256 + 16) and row["measured"] is True
+        if abs(row["measured_over_formula"] - 1) <= 0.02:
+            break
+    assert abs(row["measured_over_formula"] - 1) <= 0.02, row
+    if row["pool_resident_bytes"] is not None:
+        assert abs(row["pool_resident_bytes"] / row["formula_bytes"] - 1) <= 0.02, row
+    assert row["naive_peak_bytes"] is None                              # the naive cache has no int8 form

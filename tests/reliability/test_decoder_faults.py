@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import decode.decoder as decoder_module
-from decode import Decoder, batch_step, batch_transaction
+from decode import Decoder, batch_extend, batch_step, batch_transaction
 from kvcache import CacheFullError, FaultInjector, InjectedFault, KVCache
 from kvcache.faults import no_fault
 
@@ -218,6 +218,46 @@ def test_batch_step_lean_fresh_and_copied(monkeypatch):
     assert count(points, "write_k") == 4 and points[-1] == "publish"
 
 
+def ragged_inputs(ctx, counts, layers=None):
+    """Per-decoder token counts: ctx q/k/v ragged ([layers,] sum(counts), ...), ctx counts."""
+    ctx["counts"] = counts
+    return with_inputs(ctx, sum(counts), layers=layers)
+
+
+def test_batch_extend_fresh_copied_and_empty(monkeypatch):
+    def build():
+        return ragged_inputs(shared([5, 8, 0], fork_last=True), [3, 6, 0, 2])   # 3 shares 0's partial page
+
+    def op(ctx):
+        return batch_extend(ctx["decs"], ctx["q"], ctx["k"], ctx["v"], num_tokens=ctx["counts"])
+
+    points = enumerate_faults(build, op, monkeypatch)
+    # writes per page touched: 5..7 | 8..11, 12..13 | none | (the copy) 5..6
+    assert count(points, "cow_copy") == 2 and count(points, "write_k") == 4 and points[-1] == "publish"
+
+
+def test_batch_extend_lists(monkeypatch):
+    def build():
+        return ragged_inputs(shared([2, 9]), [7, 1])
+
+    def op(ctx):
+        parts = [np.split(ctx[x], [7]) for x in "qkv"]
+        return np.concatenate(batch_extend(ctx["decs"], *parts))
+
+    enumerate_faults(build, op, monkeypatch)
+
+
+def test_window_batch_extend_releasing_pages(monkeypatch):
+    def build():
+        return ragged_inputs(shared([6, 3], window=3), [5, 9])
+
+    def op(ctx):
+        return batch_extend(ctx["decs"], ctx["q"], ctx["k"], ctx["v"], num_tokens=ctx["counts"])
+
+    points = enumerate_faults(build, op, monkeypatch, absorbed_after="publish")
+    assert count(points, "decref") >= 2
+
+
 # -- several layers -----------------------------------------------------------------------------------------------
 def test_multi_layer_step_on_the_lean_path(monkeypatch):
     def build():
@@ -266,6 +306,19 @@ def test_multi_layer_batch_transaction(monkeypatch):
 
     points = enumerate_faults(build, op, monkeypatch)
     assert count(points, "allocate") == 3 and count(points, "cow_copy") == 0    # 4 + 1: a full shared page
+
+
+def test_multi_layer_batch_extend_transaction(monkeypatch):
+    def build():
+        return ragged_inputs(shared([4, 7, 0], layers=2, fork_last=True), [2, 5, 3, 1], layers=2)
+
+    def op(ctx):
+        with batch_transaction(ctx["decs"], ctx["counts"]) as tx:
+            return [tx.extend(layer, ctx["q"][layer], ctx["k"][layer], ctx["v"][layer]) for layer in (1, 0)]
+
+    points = enumerate_faults(build, op, monkeypatch)
+    # writes per page touched, each layer: 4..5 | 7, 8..11 | 0..2 | 4 (the fork: page 1 is full, shared -> fresh)
+    assert count(points, "write_k") == 2 * 5 and points[-1] == "publish"
 
 
 # -- sliding windows: the release after the commit ---------------------------------------------------------------

@@ -1,0 +1,545 @@
+"""The single-query kernel over int8 pages (`kvcache.quant`): int8 values and float16 group scales read straight
+from the pool, no dequantized copy of it.
+
+Layout (per layer):
+    q:        [num_queries, num_q_heads, head_dim]          float32
+    k_pages:  [num_pages, num_kv_heads, page_size, head_dim]     int8
+    k_scales: [num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]    uint16 (= float16 bits)
+    v_pages:  [num_pages, num_kv_heads, page_size, head_dim_v]   int8
+    v_scales: [num_pages, num_kv_heads, page_size, ceil(head_dim_v / 32)]  uint16
+    out:      [num_queries, num_q_heads, head_dim_v]        float32
+
+Work: a unit is (query, key range [lo, hi)) with *all* kv heads: it walks the range a block (~64 tokens, whole
+pages) at a time and, inside each page, every kv head in turn, so a thread streams whole contiguous pages
+(the access pattern that read 52-55 GB/s with 2 threads where one head across all pages read 17-37 GB/s,
+shared/notes/measured-facts.md). Long ranges are cut into units of `split` tokens (flash-decoding) and merged.
+
+Scales: a chunk of <= 16 K rows of one kv head is widened to float32 with its group scales in one pass into an
+L1 scratch tile (each row group's scale applied once, then the tile is reused by all G query heads of the kv
+head through the float kernel's `qk` register blocks). V: with G < 4 query heads per kv head the V scale is
+folded into the softmax weight (p * scale per row group, the int8 values converted in the FMA loop); with
+G >= 4 the V chunk is widened once with its scales (one multiply per element instead of G) and the float
+kernel's `pv` accumulates it. Accumulation is float32, as for float16/float32 storage.
+"""
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from .blocks import combine, load_group, normalise, pv, qk, softmax_block
+from .simd import FAST, JIT, ld
+
+ONE = np.float32(1.0)  # softmax_block's scale: this kernel scales q up front
+GROUP = 32            # values per scale (kvcache.quant.GROUP_SIZE; the kernels import nothing of kvcache)
+CHUNK = 16            # rows per widened tile
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 32-lane int8 micro-kernels in LLVM IR (one scale group): LLVM does not vectorise a 32-iteration loop itself
+# (a constant trip count is unrolled completely and left scalar; a run-time one of 32 falls into the scalar
+# remainder of a 64-wide vector loop). Plain-NumPy twins for NUMBA_DISABLE_JIT.
+# --------------------------------------------------------------------------------------------------------------
+def widen32(src, i, dst, j, s):
+    """dst[j:j+32] = float32(src[i:i+32]) * s: src 1-D int8, dst 1-D float32, s float32."""
+    dst[j:j + GROUP] = src[i:i + GROUP].astype(np.float32) * np.float32(s)
+
+
+def fold4(acc, j, vp, t, i, w0, w1, w2, w3):
+    """acc[j:j+32] += sum_r w_r * float32(vp[t + r, i:i+32]) over r < 4: acc 1-D float32, vp 2-D int8."""
+    rows = vp[t:t + 4, i:i + GROUP].astype(np.float32)
+    acc[j:j + GROUP] += (w0 * rows[0] + w1 * rows[1]) + (w2 * rows[2] + w3 * rows[3])
+
+
+def h2f_all(src, dst):
+    """dst[:n] = float32(float16 bits of src) for every element of the C-contiguous 2-D uint16 src (n its size)."""
+    n = src.size
+    dst[:n] = src.reshape(n).view(np.float16).astype(np.float32)
+
+
+def dot4_i8(qv, kp, t, st, nsg, ng):
+    """4 scores sum_d qv[d] * kp[t + r, d] * st[(t + r) * nsg + d // 32] over the first ng groups of 32 (r < 4):
+    qv 1-D float32, kp 2-D int8, st 1-D float32 (the page tile's scales, `scales_f32`)."""
+    n = ng * GROUP
+    out = []
+    for r in range(4):
+        scale = np.repeat(st[(t + r) * nsg:(t + r) * nsg + ng], GROUP)
+        out.append(np.float32(np.dot(qv[:n], kp[t + r, :n].astype(np.float32) * scale)))
+    return tuple(out)
+
+
+if JIT:
+    from llvmlite import ir as _ir
+    from numba.core import cgutils as _cg
+
+    _V8 = _ir.VectorType(_ir.IntType(8), GROUP)
+    _V32 = _ir.VectorType(_ir.IntType(32), GROUP)
+    _VF = _ir.VectorType(_ir.FloatType(), GROUP)
+
+    def _splat(builder, x):
+        v = builder.insert_element(_ir.Constant(_VF, _ir.Undefined), x, _ir.Constant(_ir.IntType(32), 0))
+        return builder.shuffle_vector(v, v, _ir.Constant(_V32, [0] * GROUP))
+
+    def _load_i8(builder, ptr):
+        x = builder.load(builder.bitcast(ptr, _V8.as_pointer()), align=1)
+        return builder.sitofp(builder.sext(x, _V32), _VF)
+
+    def _is(ty, dtype, ndim):
+        return isinstance(ty, types.Array) and ty.dtype == dtype and ty.ndim == ndim and ty.layout == "C"
+
+    @intrinsic
+    def _widen32(typingctx, src, i, dst, j, s):
+        if not (_is(src, types.int8, 1) and _is(dst, types.float32, 1) and s == types.float32
+                and isinstance(i, types.Integer) and isinstance(j, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a = context.make_array(sig.args[0])(context, builder, args[0])
+            d = context.make_array(sig.args[2])(context, builder, args[2])
+            x = builder.fmul(_load_i8(builder, builder.gep(a.data, [args[1]])), _splat(builder, args[4]))
+            builder.store(x, builder.bitcast(builder.gep(d.data, [args[3]]), _VF.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(src, i, dst, j, s), codegen
+
+    @intrinsic
+    def _fold4(typingctx, acc, j, vp, t, i, w0, w1, w2, w3):
+        if not (_is(acc, types.float32, 1) and _is(vp, types.int8, 2)
+                and all(w == types.float32 for w in (w0, w1, w2, w3))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a = context.make_array(sig.args[0])(context, builder, args[0])
+            v = context.make_array(sig.args[2])(context, builder, args[2])
+            cols = _cg.unpack_tuple(builder, v.shape, 2)[1]
+            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
+                                             "llvm.fma.v32f32")
+            ptr = builder.bitcast(builder.gep(a.data, [args[1]]), _VF.as_pointer())
+            total = builder.load(ptr, align=4)
+            for r in range(4):
+                row = builder.add(args[3], _ir.Constant(args[3].type, r))
+                x = _load_i8(builder, builder.gep(v.data, [builder.add(builder.mul(row, cols), args[4])]))
+                total = builder.call(fma, [x, _splat(builder, args[5 + r]), total])
+            builder.store(total, ptr, align=4)
+            return context.get_dummy_value()
+
+        return types.void(acc, j, vp, t, i, w0, w1, w2, w3), codegen
+
+    def _hsum(builder, v):
+        """Sum of the 32 lanes of v (a tree of shuffles)."""
+        width = GROUP
+        while width > 1:
+            half = width // 2
+            lo = builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_ir.IntType(32), half), list(range(half))))
+            hi = builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_ir.IntType(32), half),
+                                                            list(range(half, width))))
+            v = builder.fadd(lo, hi)
+            width = half
+        return builder.extract_element(v, _ir.Constant(_ir.IntType(32), 0))
+
+    @intrinsic
+    def _dot4_i8(typingctx, qv, kp, t, st, nsg, ng):
+        if not (_is(qv, types.float32, 1) and _is(kp, types.int8, 2) and _is(st, types.float32, 1)
+                and all(isinstance(x, types.Integer) for x in (t, nsg, ng))):
+            return None
+        sig = types.UniTuple(types.float32, 4)(qv, kp, t, st, nsg, ng)
+
+        def codegen(context, builder, sig, args):
+            qa = context.make_array(sig.args[0])(context, builder, args[0])
+            ka = context.make_array(sig.args[1])(context, builder, args[1])
+            sa = context.make_array(sig.args[3])(context, builder, args[3])
+            i64 = _ir.IntType(64)
+            t0, nsg0, ng0 = (context.cast(builder, a, ty, types.int64) for a, ty in
+                             ((args[2], sig.args[2]), (args[4], sig.args[4]), (args[5], sig.args[5])))
+            cols = _cg.unpack_tuple(builder, ka.shape, 2)[1]
+            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
+                                             "llvm.fma.v32f32")
+            entry = builder.block
+            header = builder.append_basic_block("dot4.header")
+            body = builder.append_basic_block("dot4.body")
+            done = builder.append_basic_block("dot4.done")
+            builder.branch(header)
+            builder.position_at_end(header)
+            i = builder.phi(i64)
+            accs = [builder.phi(_VF) for _ in range(4)]
+            zero = _ir.Constant(_VF, [0.0] * GROUP)
+            i.add_incoming(_ir.Constant(i64, 0), entry)
+            for acc in accs:
+                acc.add_incoming(zero, entry)
+            builder.cbranch(builder.icmp_signed("<", i, ng0), body, done)
+            builder.position_at_end(body)
+            base = builder.mul(i, _ir.Constant(i64, GROUP))
+            qg = builder.load(builder.bitcast(builder.gep(qa.data, [base]), _VF.as_pointer()), align=4)
+            new = []
+            for r in range(4):
+                row = builder.add(t0, _ir.Constant(i64, r))
+                kf = _load_i8(builder, builder.gep(ka.data, [builder.add(builder.mul(row, cols), base)]))
+                scale = builder.load(builder.gep(sa.data, [builder.add(builder.mul(row, nsg0), i)]))
+                new.append(builder.call(fma, [builder.fmul(kf, _splat(builder, scale)), qg, accs[r]]))
+            nxt = builder.add(i, _ir.Constant(i64, 1))
+            body_end = builder.block
+            i.add_incoming(nxt, body_end)
+            for acc, value in zip(accs, new):
+                acc.add_incoming(value, body_end)
+            builder.branch(header)
+            builder.position_at_end(done)
+            return context.make_tuple(builder, sig.return_type, [_hsum(builder, acc) for acc in accs])
+
+        return sig, codegen
+
+    _V16H = _ir.VectorType(_ir.IntType(16), 16)
+    _V16F = _ir.VectorType(_ir.FloatType(), 16)
+
+    @intrinsic
+    def _h2f_all(typingctx, src, dst):
+        if not (_is(src, types.uint16, 2) and _is(dst, types.float32, 1)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            sa = context.make_array(sig.args[0])(context, builder, args[0])
+            da = context.make_array(sig.args[1])(context, builder, args[1])
+            i64 = _ir.IntType(64)
+            rows, cols = _cg.unpack_tuple(builder, sa.shape, 2)
+            n = builder.mul(rows, cols)
+            vec_end = builder.and_(n, _ir.Constant(i64, -16))
+            with _cg.for_range_slice(builder, _ir.Constant(i64, 0), vec_end, _ir.Constant(i64, 16)) as (i, _):
+                x = builder.load(builder.bitcast(builder.gep(sa.data, [i]), _V16H.as_pointer()), align=2)
+                y = builder.fpext(builder.bitcast(x, _ir.VectorType(_ir.HalfType(), 16)), _V16F)
+                builder.store(y, builder.bitcast(builder.gep(da.data, [i]), _V16F.as_pointer()), align=4)
+            with _cg.for_range_slice(builder, vec_end, n, _ir.Constant(i64, 1)) as (i, _):
+                x = builder.load(builder.gep(sa.data, [i]))
+                y = builder.fpext(builder.bitcast(x, _ir.HalfType()), _ir.FloatType())
+                builder.store(y, builder.gep(da.data, [i]))
+            return context.get_dummy_value()
+
+        return types.void(src, dst), codegen
+
+    @overload(h2f_all)
+    def _h2f_all_ov(src, dst):
+        return lambda src, dst: _h2f_all(src, dst)
+
+    @overload(dot4_i8)
+    def _dot4_i8_ov(qv, kp, t, st, nsg, ng):
+        return lambda qv, kp, t, st, nsg, ng: _dot4_i8(qv, kp, t, st, nsg, ng)
+
+    @overload(widen32)
+    def _widen32_ov(src, i, dst, j, s):
+        return lambda src, i, dst, j, s: _widen32(src, i, dst, j, s)
+
+    @overload(fold4)
+    def _fold4_ov(acc, j, vp, t, i, w0, w1, w2, w3):
+        return lambda acc, j, vp, t, i, w0, w1, w2, w3: _fold4(acc, j, vp, t, i, w0, w1, w2, w3)
+
+
+@njit(cache=True, fastmath=FAST)
+def scales_f32(scales, st):
+    """st[t * G + g] = float32(scales[t, g]) for a whole page tile (scales [page_size, G] uint16 float16 bits),
+    one vectorised pass: converting one scale at a time where it is used chains every conversion to the previous
+    one through a register merge (vpinsrw; 48 cycles per 128-value row, measured)."""
+    h2f_all(scales, st)
+
+
+@njit(cache=True, fastmath=FAST)
+def widen_rows(src, st, r0, r1, dst):
+    """dst[t - r0, d] = src[t, d] * st[t * G + d // 32] for t in [r0, r1): int8 rows and their group scales
+    (`scales_f32` of the page tile) -> float32 (exact: 8 x 11 significant bits). src [page_size, D] int8,
+    dst [>= r1 - r0, D] float32. Whole groups by `widen32`, a short last group element by element."""
+    D = src.shape[1]
+    full = D // GROUP
+    G = -(-D // GROUP)
+    for t in range(r0, r1):
+        row = src[t]
+        out = dst[t - r0]
+        for g in range(full):
+            widen32(row, g * GROUP, out, g * GROUP, st[t * G + g])
+        if full * GROUP < D:
+            s = st[t * G + full]
+            for d in range(full * GROUP, D):
+                out[d] = np.float32(row[d]) * s
+
+
+@njit(cache=True, fastmath=FAST)
+def pv_folded(S, c0, vp, st, s0, s1, acc):
+    """acc[g, d] += sum_t (S[g, c0 + t - s0] * scale[t, d // 32]) * vp[t, d] for t in [s0, s1): the V scale folded
+    into the softmax weight (one multiply per row group), the int8 values converted inside the FMA pass
+    (`fold4`: 4 rows per accumulator load). S [G, block] float32, vp [page_size, Dv] int8, st the page tile's
+    scales (`scales_f32`), acc [G, Dv] float32."""
+    G = acc.shape[0]
+    Dv = acc.shape[1]
+    full = Dv // GROUP
+    NG = -(-Dv // GROUP)
+    for g in range(G):
+        ag = acc[g]
+        w = S[g]
+        t = s0
+        c = c0
+        while t + 4 <= s1:
+            b = t * NG
+            for k in range(full):
+                fold4(ag, k * GROUP, vp, t, k * GROUP, w[c] * st[b + k], w[c + 1] * st[b + NG + k],
+                      w[c + 2] * st[b + 2 * NG + k], w[c + 3] * st[b + 3 * NG + k])
+            t += 4
+            c += 4
+        while t < s1:
+            row = vp[t]
+            for k in range(full):
+                w0 = w[c] * st[t * NG + k]
+                for d in range(k * GROUP, k * GROUP + GROUP):
+                    ag[d] += w0 * np.float32(row[d])
+            t += 1
+            c += 1
+        if full * GROUP < Dv:                            # a short last group
+            for t in range(s0, s1):
+                w0 = w[c0 + t - s0] * st[t * NG + full]
+                row = vp[t]
+                for d in range(full * GROUP, Dv):
+                    ag[d] += w0 * np.float32(row[d])
+
+
+@njit(cache=True, fastmath=FAST)
+def qk_int8(qs, kp, st, s0, s1, S, c0):
+    """S[g, c0 + t - s0] = qs[g] . (kp[t] * its group scales) for t in [s0, s1), straight from the int8 rows
+    (`dot4_i8`: 4 rows per pass, the scale applied once per row group; for G < 4 query heads per kv head, where
+    widening a tile first would be re-read by too few heads). qs [G, D], kp [page_size, D] int8, st the page
+    tile's scales (`scales_f32`), S [G, block]."""
+    G = qs.shape[0]
+    D = qs.shape[1]
+    full = D // GROUP
+    NG = -(-D // GROUP)
+    for g in range(G):
+        qg = qs[g]
+        Sg = S[g]
+        t = s0
+        c = c0
+        while t + 4 <= s1:
+            r = dot4_i8(qg, kp, t, st, NG, full)
+            Sg[c] = r[0]
+            Sg[c + 1] = r[1]
+            Sg[c + 2] = r[2]
+            Sg[c + 3] = r[3]
+            t += 4
+            c += 4
+        while t < s1:
+            row = kp[t]
+            a = qg[0] - qg[0]
+            for k in range(full):
+                part = qg[0] - qg[0]
+                for d in range(k * GROUP, k * GROUP + GROUP):
+                    part += qg[d] * np.float32(row[d])
+                a += part * st[t * NG + k]
+            Sg[c] = a
+            t += 1
+            c += 1
+        if full < NG:                                    # a short last group
+            for t in range(s0, s1):
+                row = kp[t]
+                part = qg[0] - qg[0]
+                for d in range(full * GROUP, D):
+                    part += qg[d] * np.float32(row[d])
+                Sg[c0 + t - s0] += part * st[t * NG + full]
+
+
+@njit(cache=True, fastmath=FAST)
+def attend_range_int8(qs, kq, ks, vq, vs, pages, lo, hi, block, S, m, l, acc, kt, vt, kst, vst):
+    """Unnormalised attention of every query head over positions [lo, hi) of one sequence (`pages`: its row of
+    the page table), all kv heads. qs [Hkv, G, D] (scaled queries), S [Hkv, G, block], m, l [Hkv, G],
+    acc [Hkv, G, Dv]; kt [CHUNK, D], vt [CHUNK, Dv], kst [page_size * Gk], vst [page_size * Gv] float32 scratch."""
+    P = kq.shape[2]
+    Hkv = kq.shape[1]
+    G = qs.shape[1]
+    RC = kt.shape[0]
+    first = True
+    b0 = lo
+    while b0 < hi:
+        b1 = min(hi, (b0 // block + 1) * block)
+        c = 0
+        t = b0
+        while t < b1:                                   # scores: page by page, every kv head of the page
+            j = t // P
+            s0 = t - j * P
+            s1 = min(P, b1 - j * P)
+            page = pages[j]
+            for h in range(Hkv):
+                kp = kq[page, h]
+                scales_f32(ks[page, h], kst)
+                Sh = S[h]
+                qh = qs[h]
+                if G < 4:
+                    qk_int8(qh, kp, kst, s0, s1, Sh, c)
+                    continue
+                r = s0
+                while r < s1:
+                    r1 = min(s1, r + RC)
+                    widen_rows(kp, kst, r, r1, kt)
+                    qk(qh, kt, 0, r1 - r, Sh, c + r - s0)
+                    r = r1
+            c += s1 - s0
+            t += s1 - s0
+        for h in range(Hkv):
+            softmax_block(S[h], c, m[h], l[h], acc[h], first, ONE)   # scores pre-scaled (load_group)
+        first = False
+        c = 0
+        t = b0
+        while t < b1:                                   # values, in the same order
+            j = t // P
+            s0 = t - j * P
+            s1 = min(P, b1 - j * P)
+            page = pages[j]
+            for h in range(Hkv):
+                scales_f32(vs[page, h], vst)
+                if G < 4:
+                    pv_folded(S[h], c, vq[page, h], vst, s0, s1, acc[h])
+                else:
+                    vp = vq[page, h]
+                    r = s0
+                    while r < s1:
+                        r1 = min(s1, r + RC)
+                        widen_rows(vp, vst, r, r1, vt)
+                        pv(S[h], c + r - s0, vt, 0, r1 - r, acc[h])
+                        r = r1
+            c += s1 - s0
+            t += s1 - s0
+        b0 = b1
+
+
+@njit(cache=True, fastmath=FAST)
+def int8_units(q, kq, ks, vq, vs, page_indices, page_indptr, query_seq, query_pos, window, scale, out,
+               units, u0, u1, block, wm, wl, wacc):
+    """Process units u0..u1-1 with one set of scratch buffers. units.shape[0] == 0 (serial): unit u is query u
+    over its whole range, normalised into out. Otherwise units[u] = (query, lo, hi, slot): slot < 0 normalises
+    into out, else the partial (max, sum, acc) goes to workspace slot ``slot`` (wm, wl [W, Hkv, G], wacc
+    [W, Hkv, G, Dv])."""
+    Hkv = kq.shape[1]
+    G = q.shape[1] // Hkv
+    D = q.shape[2]
+    Dv = vq.shape[3]
+    RC = min(CHUNK, kq.shape[2])
+    qs = np.empty((Hkv, G, D), np.float32)
+    S = np.empty((Hkv, G, block), np.float32)
+    m = np.empty((Hkv, G), np.float32)
+    l = np.empty((Hkv, G), np.float32)
+    acc = np.empty((Hkv, G, Dv), np.float32)
+    kt = np.empty((RC, D), np.float32)
+    vt = np.empty((RC, Dv), np.float32)
+    kst = np.empty(ks.shape[2] * ks.shape[3], np.float32)
+    vst = np.empty(vs.shape[2] * vs.shape[3], np.float32)
+    serial = units.shape[0] == 0
+    for u in range(u0, u1):
+        if serial:
+            i = u
+            hi = query_pos[i] + 1
+            lo = max(0, hi - window) if window > 0 else 0
+            w = -1
+        else:
+            i = units[u, 0]
+            lo = units[u, 1]
+            hi = units[u, 2]
+            w = units[u, 3]
+        s = query_seq[i]
+        pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
+        for h in range(Hkv):
+            load_group(q, i, h, scale, qs[h])
+        if w < 0:
+            attend_range_int8(qs, kq, ks, vq, vs, pages, lo, hi, block, S, m, l, acc, kt, vt, kst, vst)
+            for h in range(Hkv):
+                normalise(acc[h], l[h], out[i, h * G:(h + 1) * G])
+        else:
+            attend_range_int8(qs, kq, ks, vq, vs, pages, lo, hi, block, S, wm[w], wl[w], wacc[w], kt, vt, kst,
+                              vst)
+
+
+@njit(cache=True)
+def plan_int8(query_pos, window, split, nchunks):
+    """Cut every query's key range at absolute multiples of `split` tokens into units and balance them over
+    `nchunks` contiguous chunks by cost (tokens + 16 per unit).
+
+    Returns units [U, 4] = (query, lo, hi, workspace slot or -1 when the range is not split), bounds
+    [nchunks + 1], items [n_split, 3] = (query, first slot, number of slots) and the number of slots."""
+    nq = query_pos.shape[0]
+    U = 0
+    n_items = 0
+    for i in range(nq):
+        hi = query_pos[i] + 1
+        lo = max(0, hi - window) if window > 0 else 0
+        n = (hi - 1) // split - lo // split + 1
+        U += n
+        if n > 1:
+            n_items += 1
+    units = np.empty((U, 4), np.int64)
+    items = np.empty((n_items, 3), np.int64)
+    u = 0
+    w = 0
+    it = 0
+    total = 0
+    for i in range(nq):
+        hi = query_pos[i] + 1
+        lo = max(0, hi - window) if window > 0 else 0
+        n = (hi - 1) // split - lo // split + 1
+        if n > 1:
+            items[it, 0] = i
+            items[it, 1] = w
+            items[it, 2] = n
+            it += 1
+        for j in range(n):
+            a = max(lo, (lo // split + j) * split)
+            b = min(hi, (lo // split + j + 1) * split)
+            units[u, 0] = i
+            units[u, 1] = a
+            units[u, 2] = b
+            if n > 1:
+                units[u, 3] = w
+                w += 1
+            else:
+                units[u, 3] = -1
+            total += b - a + 16
+            u += 1
+    nch = max(1, nchunks)
+    bounds = np.empty(nch + 1, np.int64)
+    bounds[0] = 0
+    cum = 0
+    c = 1
+    for u in range(U):
+        cost = units[u, 2] - units[u, 1] + 16
+        mid2 = 2 * cum + cost          # unit u goes to chunk floor(midpoint * nch / total)
+        while c < nch and mid2 * nch > 2 * c * total:
+            bounds[c] = u
+            c += 1
+        cum += cost
+    while c <= nch:
+        bounds[c] = U
+        c += 1
+    return units, bounds, items, w
+
+
+@njit(cache=True, fastmath=FAST)
+def combine_int8(out, items, a, b, wm, wl, wacc):
+    """Merge the split partials of items a..b-1 into out (all query heads of each item's query)."""
+    W = wm.shape[0]
+    Hq = wm.shape[1] * wm.shape[2]
+    m2 = wm.reshape((W, Hq))
+    l2 = wl.reshape((W, Hq))
+    acc2 = wacc.reshape((W, Hq, wacc.shape[3]))
+    for it in range(a, b):
+        combine(m2, l2, acc2, items[it, 1], items[it, 2], out[items[it, 0]])
+
+
+@njit(parallel=True, cache=True, fastmath=FAST)
+def int8_parallel(q, kq, ks, vq, vs, page_indices, page_indptr, query_seq, query_pos, window, scale, out,
+                  units, bounds, items, num_slots, block):
+    """The units of `plan_int8` on all threads (one prange iteration per chunk of units, each owning its units'
+    outputs and workspace slots), then the split ranges are merged (prange over items when there are enough)."""
+    Hkv = kq.shape[1]
+    G = q.shape[1] // Hkv
+    Dv = vq.shape[3]
+    wm = np.empty((num_slots, Hkv, G), np.float32)
+    wl = np.empty((num_slots, Hkv, G), np.float32)
+    wacc = np.empty((num_slots, Hkv, G, Dv), np.float32)
+    nch = bounds.shape[0] - 1
+    for ck in prange(nch):
+        int8_units(q, kq, ks, vq, vs, page_indices, page_indptr, query_seq, query_pos, window, scale, out,
+                   units, bounds[ck], bounds[ck + 1], block, wm, wl, wacc)
+    n = items.shape[0]
+    if n >= nch and num_slots * Hkv * G * Dv >= 1 << 16:
+        for ck in prange(nch):
+            combine_int8(out, items, ck * n // nch, (ck + 1) * n // nch, wm, wl, wacc)
+    else:
+        combine_int8(out, items, 0, n, wm, wl, wacc)
+    return out

@@ -1,0 +1,42 @@
+"""`AppendSeam`: the one internal interface between a `KVCache` and its append paths (`Transaction`,
+`TokenWrite`).
+
+The cache builds one seam of bound methods at construction and hands it to every transaction and token write;
+they reach the cache's state only through it (never through the cache's private names). The contract of each
+call:
+
+``lock``                                      the cache's re-entrant metadata lock (hold it around reserve and
+                                              publish)
+``idle_sequence(seq) -> Sequence``            the live sequence with no open transaction (ValueError/TypeError
+                                              for a bad id, RuntimeError for a busy one)
+``sequence(seq) -> Sequence``                 the live sequence, busy or not
+``needs_copy(page) -> bool``                  whether a write into ``page`` must copy it first (shared with
+                                              another sequence, or registered in the prefix index: immutable)
+``reserve(num_tokens, journal)``              take every page the new tokens need (copy-on-write of a shared
+                                              partial last page), mark the sequences busy; every change is
+                                              recorded in ``journal``; CacheFullError with nothing changed
+``write(layer, seq, start, k, v, journal)``   store ``k [T, num_kv_heads, head_dim]``, ``v [T, ..., head_dim_v]``
+                                              (storage dtype, checked) at positions ``start ..`` of ``seq``,
+                                              saving the overwritten bytes in ``journal``
+``write_slot(layer, page, offset, k, v, saved)``  store one token's ``k [num_kv_heads, head_dim]``, ``v`` at
+                                              ``(page, offset)``, appending ``(view, old bytes)`` pairs to ``saved``
+``publish(num_tokens, start, token_ids)``     the commit: register pages that became full with known token ids
+                                              (prefix caching), then the fault point "publish", then the new
+                                              lengths; a failure before the lengths change undoes its own work
+``fault(point)``                              the cache's current fault hook (tests)
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True, slots=True)
+class AppendSeam:
+    lock: object
+    idle_sequence: Callable
+    sequence: Callable
+    needs_copy: Callable
+    reserve: Callable
+    write: Callable
+    write_slot: Callable
+    publish: Callable
+    fault: Callable

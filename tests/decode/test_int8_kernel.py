@@ -1,0 +1,173 @@
+"""The int8 kernel (`decode.kernels.int8` through `decode.attention`) against the float64 oracle computed on the
+*dequantized* K/V: |out - oracle| <= 1e-6 + 3 * err_numpy, err_numpy the error of the same plain NumPy
+computation in float32 on the same dequantized values (the float32 budget of the other storage dtypes).
+
+Marked `kernel`: CI reruns these with NUMBA_DISABLE_JIT=1 and NUMBA_BOUNDSCHECK=1 on --reduced-grid.
+"""
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from decode.attention import _paged_decode_attention_unchecked, paged_decode_attention
+from kvcache import quant
+
+_spec = importlib.util.spec_from_file_location("decode_kernel_naive_int8", Path(__file__).with_name("naive.py"))
+naive = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(naive)
+
+pytestmark = pytest.mark.kernel
+ATOL, FACTOR = 1e-6, 3.0
+
+
+class Int8Scene:
+    """A pool of int8 pages + float16 scales (rows quantized by `kvcache.quant`), a CSR page table in random
+    physical order, queries; ``k_deq`` / ``v_deq`` are the dequantized pools (float32, exact)."""
+
+    def __init__(self, rng, *, num_kv_heads=2, group=2, head_dim=8, head_dim_v=None, page_size=4, lengths=(5,),
+                 queries=None, window=0, spare_pages=2, magnitude=1.0, outlier_channels=0):
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        P = page_size
+        self.queries = queries or [(s, L - 1) for s, L in enumerate(lengths)]
+        npp = [-(-L // P) for L in lengths]
+        num_pages = sum(npp) + spare_pages
+        self.page_indptr = np.zeros(len(lengths) + 1, dtype=np.int64)
+        self.page_indptr[1:] = np.cumsum(npp)
+        self.page_indices = rng.permutation(num_pages)[:sum(npp)].astype(np.int32)
+        k = rng.standard_normal((num_pages, num_kv_heads, P, head_dim)) * magnitude
+        if outlier_channels:
+            k[..., :outlier_channels] *= 20.0
+        v = rng.standard_normal((num_pages, num_kv_heads, P, head_dim_v)) * magnitude
+        self.k_pages, self.k_scales = quant.quantize(k)
+        self.v_pages, self.v_scales = quant.quantize(v)
+        self.k_deq = quant.dequantize(self.k_pages, self.k_scales)
+        self.v_deq = quant.dequantize(self.v_pages, self.v_scales)
+        self.query_seq = np.array([s for s, _ in self.queries], dtype=np.int32)
+        self.query_pos = np.array([p for _, p in self.queries], dtype=np.int64)
+        self.window = window
+        if window:                                  # pages wholly before every query's window are freed (-1)
+            for s in range(len(lengths)):
+                ps = [p for (qs, p) in self.queries if qs == s]
+                row = self.page_indices[self.page_indptr[s]:self.page_indptr[s + 1]]
+                for j in range(min(naive.visible(p, window) for p in ps) // P if ps else 0):
+                    row[j] = -1
+        self.q = rng.standard_normal((len(self.queries), num_kv_heads * group, head_dim)).astype(np.float32)
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def tables(self):
+        return self.page_indices, self.page_indptr, self.query_seq, self.query_pos
+
+    def run(self, mode=0, split_tokens=0):
+        out = np.empty((len(self.q), self.q.shape[1], self.v_pages.shape[3]), dtype=np.float32)
+        return _paged_decode_attention_unchecked(self.q, self.k_pages, self.v_pages, *self.tables(), self.scale,
+                                                 self.window, out, mode=mode, split_tokens=split_tokens,
+                                                 k_scales=self.k_scales, v_scales=self.v_scales)
+
+    def check(self, out):
+        args = (self.q, self.k_deq, self.v_deq, *self.tables(), self.scale, self.window)
+        ref = naive.decode(*args)
+        err_np = np.abs(naive.decode(*args, dtype=np.float32) - ref).max()
+        assert out.dtype == np.float32 and out.shape == ref.shape and np.isfinite(out).all()
+        err = np.abs(out - ref).max()
+        assert err <= ATOL + FACTOR * err_np, f"max error {err:.3g} > {ATOL} + {FACTOR} * {err_np:.3g}"
+
+
+def _grid(reduced):
+    """(head_dim, head_dim_v, group, page_size): vector groups, short last groups, GQA ratios on both V paths
+    (folded below 4 query heads per kv head, widened from 4 on)."""
+    if reduced:
+        return [(32, 32, 1, 4), (40, 33, 4, 3), (3, 5, 2, 1), (64, 32, 8, 16)]
+    return [(d, dv, g, p) for d, dv in ((32, 32), (128, 128), (40, 72), (1, 3), (96, 33))
+            for g in (1, 2, 4, 8, 32) for p in (1, 3, 16, 64) if not (g == 32 and p == 1)]
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        metafunc.parametrize("case", _grid(metafunc.config.getoption("--reduced-grid")),
+                             ids=lambda c: f"d{c[0]}-dv{c[1]}-g{c[2]}-P{c[3]}")
+
+
+def test_grid(case):
+    head_dim, head_dim_v, group, P = case
+    rng = np.random.default_rng(head_dim * 1000 + head_dim_v * 10 + group + P)
+    scene = Int8Scene(rng, num_kv_heads=2 if group < 32 else 1, group=group, head_dim=head_dim,
+                      head_dim_v=head_dim_v, page_size=P,
+                      lengths=sorted({L for L in (P - 1, P, P + 1, 2 * P + 1, 67) if L >= 1}))
+    for mode in (1, 2):
+        scene.check(scene.run(mode=mode))
+    scene.check(paged_decode_attention(scene.q, scene.k_pages, scene.v_pages, *scene.tables(),
+                                       k_scales=scene.k_scales, v_scales=scene.v_scales))
+
+
+def test_long_split_window_and_many_queries(reduced_grid):
+    rng = np.random.default_rng(5)
+    P = 4 if reduced_grid else 16
+    long = 9 * P + 3 if reduced_grid else 3000
+    lengths = [long, 1, 2 * P + 1, 7]
+    queries = [(0, long - 1), (0, long // 2), (1, 0), (2, 2 * P), (2, P - 1), (3, 6), (0, 0)]
+    for window in (0, 1, P + 1, 5 * P):
+        scene = Int8Scene(rng, num_kv_heads=2, group=4, head_dim=32 if reduced_grid else 128, page_size=P,
+                          lengths=lengths, queries=queries, window=window)
+        for mode, split in ((1, 0), (2, 0), (2, P), (2, 3 * P)):
+            scene.check(scene.run(mode=mode, split_tokens=split))
+
+
+@pytest.mark.parametrize("magnitude, outliers", [(1e-20, 0), (300.0, 0), (1.0, 4)])
+def test_magnitudes_and_outlier_channels(reduced_grid, magnitude, outliers):
+    rng = np.random.default_rng(6)
+    scene = Int8Scene(rng, num_kv_heads=2, group=2, head_dim=32 if reduced_grid else 64, page_size=4,
+                      lengths=[13 if reduced_grid else 200], magnitude=magnitude, outlier_channels=outliers)
+    scene.check(scene.run(mode=2, split_tokens=4))
+
+
+def test_split_and_serial_agree_bitwise_per_mode(reduced_grid):
+    rng = np.random.default_rng(7)
+    scene = Int8Scene(rng, num_kv_heads=2, group=1, head_dim=32, page_size=4,
+                      lengths=[41 if reduced_grid else 700])
+    first = scene.run(mode=2, split_tokens=8)
+    for _ in range(3):
+        assert scene.run(mode=2, split_tokens=8).tobytes() == first.tobytes()      # deterministic
+    assert scene.run(mode=1).tobytes() == scene.run(mode=1).tobytes()
+
+
+# -- the wrapper's checks -------------------------------------------------------------------------------------------
+def _scene():
+    return Int8Scene(np.random.default_rng(8), num_kv_heads=2, group=2, head_dim=40, page_size=4, lengths=[6])
+
+
+def _call(scene, **changes):
+    kw = dict(k_scales=scene.k_scales, v_scales=scene.v_scales)
+    kw.update(changes)
+    return paged_decode_attention(scene.q, scene.k_pages, scene.v_pages, *scene.tables(), **kw)
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(k_scales=None), TypeError, "k_scales: expected a float16 numpy array for int8 pages, got NoneType"),
+    (dict(v_scales=[1.0]), TypeError, "v_scales: expected a float16 numpy array for int8 pages, got list"),
+    (dict(k_scales="float32"), TypeError, "k_scales: expected a float16 numpy array for int8 pages, got str"),
+    (dict(k_scales=np.zeros((4, 2, 4, 2), np.float32)), TypeError, "k_scales: expected dtype float16, got float32"),
+    (dict(k_scales=np.zeros((4, 2, 4, 1), np.float16)), ValueError,
+     r"k_scales: expected shape \[num_pages, num_kv_heads, page_size, ceil\(width / 32\)\] = \(4, 2, 4, 2\), "
+     r"got \(4, 2, 4, 1\)"),
+    (dict(v_scales=np.zeros((4, 2, 4, 4), np.float16)[..., ::2]), ValueError,
+     "v_scales: expected a C-contiguous array"),
+])
+def test_scales_checked(changes, error, message):
+    scene = _scene()
+    with pytest.raises(error, match="^" + message):
+        _call(scene, **changes)
+
+
+def test_scales_refused_for_float_pages_and_int8_v_needs_int8_k():
+    scene = _scene()
+    with pytest.raises(ValueError, match=r"^k_scales: expected None for float32 pages \(scales belong to int8 "
+                                         r"pages\), got ndarray$"):
+        paged_decode_attention(scene.q, scene.k_deq, scene.v_deq, *scene.tables(), k_scales=scene.k_scales)
+    with pytest.raises(TypeError, match="^v_pages: expected dtype int8 \\(as k_pages\\), got float32$"):
+        paged_decode_attention(scene.q, scene.k_pages, scene.v_deq, *scene.tables(), k_scales=scene.k_scales,
+                               v_scales=scene.v_scales)
+    out = _call(scene)
+    assert out.dtype == np.float32
+    scene.check(out)
