@@ -75,10 +75,11 @@ class PagedCache(Cache):
     dtype : "float16" | "float32" | "float64" | "int8"   storage dtype (int8: `kvcache.quant`); inputs are
                                              converted, outputs come back in the model's dtype
     page_size : int                          tokens per page
-    kernel_threads : int or None             numba threads of the attention kernel (None: numba's setting).
-                                             1 by default: torch's OpenMP threads keep spinning after each op
-                                             and take the cores numba's threads wait for (measured 20x slower
-                                             per decode call, docs/transformers.md)
+    kernel_threads : int or None             numba threads of the attention kernel for forwards of fewer than
+                                             256 real queries (decode steps, verification); None: numba's
+                                             setting. 1 by default: torch's OpenMP threads keep spinning after
+                                             each op and take the cores numba's threads wait for (5-20x slower
+                                             decode calls, docs/transformers.md). Prefills use numba's setting.
 
     Attributes
     ----------

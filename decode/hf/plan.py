@@ -13,6 +13,11 @@ import torch
 
 from decode.attention import paged_decode_attention
 
+# forwards with at least this many real queries (prefills) run the kernel on numba's threads: long enough that
+# torch's spinning OpenMP threads have gone idle (measured: a 4096-token prefill on 2 cores 16.2 s single-threaded
+# vs 11.8 s for sdpa; decode-sized calls are 5-20x slower on 2 threads, see docs/transformers.md)
+PARALLEL_QUERIES = 256
+
 
 class ForwardPlan:
     """Reserve the new tokens of every row, then `run_layer` for each layer, then `commit` (or `rollback`).
@@ -78,7 +83,7 @@ class ForwardPlan:
         self.layers_written += 1
         q = self._real_rows(query, compute)                                               # [N, Hq, D]
         threads = numba.get_num_threads()
-        if self.kernel_threads is not None:
+        if self.kernel_threads is not None and self.num_queries < PARALLEL_QUERIES:
             numba.set_num_threads(min(self.kernel_threads, numba.config.NUMBA_NUM_THREADS))
         try:
             out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
