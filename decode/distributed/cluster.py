@@ -73,9 +73,6 @@ class ShardServer:
                 return CommitFailure(e)
         return self.call(method, *args)
 
-    def threads(self) -> int:
-        return numba.get_num_threads()
-
 
 _Actor = ray.remote(max_restarts=0, max_task_retries=0)(ShardServer)
 
