@@ -21,16 +21,19 @@ class ForwardPlan:
     pool : kvcache.KVCache       the shared pool
     seqs : list[int]             the pool sequence of each batch row
     new_real : bool [B, T]
+    token_ids : int [B, T] or None   the columns' token ids (prefix caching registers the real ones)
     """
 
-    def __init__(self, pool, seqs, new_real: np.ndarray):
+    def __init__(self, pool, seqs, new_real: np.ndarray, token_ids=None):
         self.pool = pool
         self.new_real = new_real
         batch, width = new_real.shape
         self.batch, self.width = batch, width
         counts = new_real.sum(axis=1, dtype=np.int64)                          # [B]
         starts = np.array([pool.length(s) for s in seqs], dtype=np.int64)      # pool length of each row
-        self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)})  # CacheFullError: nothing changed
+        ids = None if token_ids is None else {s: token_ids[b][new_real[b]] for b, s in enumerate(seqs)}
+        self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)}, token_ids=ids)  # CacheFullError:
+        # nothing changed
         try:
             self._tables(seqs, counts, starts)
         except BaseException:
