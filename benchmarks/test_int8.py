@@ -118,3 +118,51 @@ def test_int8_step(benchmark, quick, int8_case):
     })
     print(f"\n{benchmark.group}: " + ", ".join(f"{dt} {med[dt] * 1e3:.2f} ms" for dt in DTYPES)
           + f"; int8 speed-up x{med['float16'] / med['int8']:.2f} vs fp16, x{med['float32'] / med['int8']:.2f} vs fp32")
+
+
+def compute_cases(quick: bool):
+    return [(8, kv, 64, 128) for kv in (8, 2, 1)] if quick else [(32, kv, 128, 512) for kv in (32, 8, 1)]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["MHA", "GQA", "MQA"])
+def test_int8_kernel_compute(benchmark, quick, which):
+    """The kernel's compute per step, apart from memory and from other processes: the serial kernel over a warm
+    pool (512 tokens: 4-16 MiB, cache resident), thread CPU time (``time.thread_time``: time-slicing by other
+    jobs does not count), best of many calls, int8 against float16 and float32 storage."""
+    from decode.attention import _paged_decode_attention_unchecked as attend
+    from kvcache import KVCache
+
+    hq, hkv, d, n = compute_cases(quick)[which]
+    rng = np.random.default_rng(12)
+    k = rng.standard_normal((n, hkv, d), dtype=np.float32)
+    q = rng.standard_normal((1, hq, d), dtype=np.float32)
+    calls = {}
+    for dtype in DTYPES:
+        cache = KVCache(num_kv_heads=hkv, head_dim=d, dtype=dtype, page_size=64, max_tokens=n)
+        seq = cache.create_sequence()
+        cache.append(seq, k, k)
+        table = cache.page_table(seq)
+        args = (q, cache.k_pages(), cache.v_pages(), table, np.array([0, len(table)], np.int64),
+                np.zeros(1, np.int32), np.array([n - 1], np.int64), 1 / math.sqrt(d), 0,
+                np.empty((1, hq, d), np.float32))
+        calls[dtype] = (lambda args=args, cache=cache: attend(*args, mode=1, k_scales=cache.k_scales(),
+                                                             v_scales=cache.v_scales()))
+        calls[dtype]()
+    best = {dtype: math.inf for dtype in DTYPES}
+    repeat = 1 if quick else 20
+
+    def one_round():
+        for dtype in DTYPES:
+            t0 = time.thread_time()
+            for _ in range(repeat):
+                calls[dtype]()
+            best[dtype] = min(best[dtype], (time.thread_time() - t0) / repeat)
+
+    benchmark.group = "int8 kernel compute (serial, warm, thread CPU time)"
+    benchmark.pedantic(one_round, rounds=1 if quick else 30, iterations=1, warmup_rounds=0)
+    benchmark.extra_info.update({"attention": _kind(hq, hkv), "num_q_heads": hq, "num_kv_heads": hkv, "context": n,
+                                 **{f"cpu_s_{dt}": best[dt] for dt in DTYPES},
+                                 "int8_cost_vs_float16": best["int8"] / best["float16"],
+                                 "int8_cost_vs_float32": best["int8"] / best["float32"]})
+    print(f"\ncompute {_kind(hq, hkv)} n{n}: " + ", ".join(f"{dt} {best[dt] * 1e6:.0f} us" for dt in DTYPES))

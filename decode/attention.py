@@ -24,7 +24,8 @@ with their scales by `decode.kernels.int8` (no dequantized copy); like the K/V v
 checked (they come from the cache, which writes only finite ones).
 
 `_paged_decode_attention_unchecked` (same arguments, positional scale / window / out) skips validation: for
-callers that validated their inputs already (the Decoder).
+callers that validated their inputs already (the Decoder). `plan_decode` computes the work partition once
+(`DecodePlan`); `plan.run(...)` is the per-layer kernel call of a multi-layer token or batch step.
 """
 import math
 
@@ -36,7 +37,12 @@ from . import multiquery as _multiquery
 
 # Dispatch thresholds (measured, see docs/kernel.md)
 SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
-MIN_SPLIT_TOKENS = 256       # flash-decoding splits are never shorter than this (then rounded to whole blocks)
+MIN_SPLIT_WORK = 1 << 20     # a flash-decoding split holds at least this much work (tokens * num_q_heads *
+                             # (head_dim + head_dim_v)), then rounded up to whole blocks
+UNITS_PER_THREAD = 2         # a query's key range is cut into about this many units per thread (load balance)
+BLOCK_TOKENS = 64            # keys per online-softmax block (rounded down to whole pages, at least one page)
+PREFETCH_BYTES = 8192        # software prefetch distance along the walk of K and V runs
+INT8_MIN_SPLIT_TOKENS = 256  # the int8 kernel's shortest key-range split
 
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -222,6 +228,69 @@ def _input_error(code, bad, q, compute, page_indices, page_indptr, query_seq, qu
                       f"(sequence {s}), got a freed page (-1)")
 
 
+class DecodePlan:
+    """The work partition of one kernel call, computed once from the queries' positions and the shapes and reused
+    by every layer that attends with the same page table and positions (a multi-layer token or batch step).
+
+    serial: run `decode_units` on the calling thread (one unit per query); otherwise `decode_parallel` with
+    units [U, 4] = (query, lo, hi, slot), bounds [threads + 1], items [n_split, 3] (from `plan_units`).
+    block: keys per online-softmax block; ahead: prefetch distance (bytes)."""
+
+    __slots__ = ("serial", "block", "ahead", "units", "bounds", "items", "num_slots", "num_queries", "workspace")
+
+    def __init__(self, query_pos, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, page_size, dtype, *,
+                 mode=0, split_tokens=0):
+        nq = len(query_pos)
+        if nq == 1:
+            p1 = int(query_pos[0]) + 1
+            work = min(p1, window) if window else p1
+        elif window:
+            work = int(np.minimum(query_pos + 1, window).sum())
+        else:
+            work = int(query_pos.sum()) + nq
+        self.num_queries = nq
+        self.block = block = page_size * max(1, BLOCK_TOKENS // page_size)
+        self.ahead = PREFETCH_BYTES
+        serial = mode == 1 or (mode == 0 and work * num_q_heads * (head_dim + head_dim_v) < SERIAL_WORK)
+        if not serial:
+            nthreads = numba.get_num_threads()
+            min_split = -(-MIN_SPLIT_WORK // (num_q_heads * (head_dim + head_dim_v)))
+            split = split_tokens if split_tokens > 0 else max(min_split, -(-work // (UNITS_PER_THREAD * nthreads)))
+            split = -(-split // block) * block
+            serial = mode == 0 and (nthreads < 2 or (nq == 1 and work <= split))   # a single unit
+        self.serial = serial
+        if serial:
+            self.units, self.bounds, self.items, self.num_slots = _NO_UNITS, None, None, 0
+            self.workspace = _empty_workspace(dtype, num_kv_heads, num_q_heads // num_kv_heads, head_dim_v)
+        else:
+            self.units, self.bounds, self.items, self.num_slots = _kernels.plan_units(query_pos, window, split,
+                                                                                      nthreads)
+            self.workspace = None
+
+    def run(self, q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out):
+        """One layer: the kernel over this plan (arguments as `_paged_decode_attention_unchecked`; the positions
+        must be the ones the plan was made from). Returns out."""
+        if k_pages.dtype == np.float16:
+            k_pages = k_pages.view(np.uint16)
+            v_pages = v_pages.view(np.uint16)
+        if self.serial:
+            ws, wacc = self.workspace
+            _kernels.decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window,
+                                  scale, out, _NO_UNITS, 0, self.num_queries, self.block, self.ahead, ws, ws, wacc)
+            return out
+        return _kernels.decode_parallel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
+                                        window, out, self.units, self.bounds, self.items, self.num_slots,
+                                        self.block, self.ahead)
+
+
+def plan_decode(query_pos, window, q_shape, v_pages) -> DecodePlan:
+    """`DecodePlan` for queries ``q_shape = (num_queries, num_q_heads, head_dim)`` at ``query_pos`` (int64) over
+    pages shaped like ``v_pages [num_pages, num_kv_heads, page_size, head_dim_v]``."""
+    _, num_kv_heads, page_size, head_dim_v = v_pages.shape
+    dtype = np.dtype(np.float64) if v_pages.dtype == np.float64 else np.dtype(np.float32)
+    return DecodePlan(query_pos, window, q_shape[1], num_kv_heads, q_shape[2], head_dim_v, page_size, dtype)
+
+
 def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
                                       scale, window, out, *, mode=0, split_tokens=0, tiled=True, k_scales=None,
                                       v_scales=None):
@@ -233,7 +302,7 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
     position backed by a valid page. Returns out.
 
     mode (testing / tuning): 0 = choose, 1 = serial, 2 = parallel. split_tokens > 0 (parallel) forces key-range
-    splits of that many tokens (rounded up to whole blocks of ~64 tokens); 0 = choose. tiled: runs of queries of
+    splits of that many tokens (rounded up to whole blocks); 0 = choose. tiled: runs of queries of
     one sequence at consecutive positions go to the tiled multi-query kernel (`decode.multiquery`); False: every
     query through the single-query kernel. int8 pages: k_scales / v_scales float16 of the checked shapes; every
     query goes through the int8 single-query kernel (`_int8_unchecked`; no tiled int8 multi-query kernel yet)."""
@@ -255,42 +324,23 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
                                                         mode=mode, split_tokens=split_tokens, tiled=False)
                 out[rest] = sub
             return out
-    if nq == 1:
-        p1 = int(query_pos[0]) + 1
-        work = min(p1, window) if window else p1
-    elif window:
-        work = int(np.minimum(query_pos + 1, window).sum())
-    else:
-        work = int(query_pos.sum()) + nq
     _, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, head_dim_v = v_pages.shape
-    G = num_q_heads // num_kv_heads
-    block = page_size * max(1, 64 // page_size)
-    serial = mode == 1 or (mode == 0 and work * num_q_heads * (head_dim + head_dim_v) < SERIAL_WORK)
-    if not serial:
-        nthreads = numba.get_num_threads()
-        split = split_tokens if split_tokens > 0 else max(MIN_SPLIT_TOKENS, -(-work * num_kv_heads // (4 * nthreads)))
-        split = -(-split // block) * block
-        serial = mode == 0 and (nthreads < 2 or (nq * num_kv_heads == 1 and work <= split))   # a single unit
-    if serial:
-        ws, wacc = _empty_workspace(q.dtype, G, head_dim_v)
-        _kernels.decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window,
-                              scale, out, _NO_UNITS, 0, nq * num_kv_heads, block, ws, ws, wacc)
-        return out
-    units, bounds, items, num_slots = _kernels.plan_units(query_pos, window, num_kv_heads, split, nthreads)
-    return _kernels.decode_parallel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
-                                    window, out, units, bounds, items, num_slots, block)
+    plan = DecodePlan(query_pos, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, page_size, q.dtype,
+                      mode=mode, split_tokens=split_tokens)
+    return plan.run(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out)
 
 
-_NO_UNITS = np.empty((0, 5), dtype=np.int64)
+_NO_UNITS = np.empty((0, 4), dtype=np.int64)
 _WORKSPACES = {}
 
 
-def _empty_workspace(dtype, group, head_dim_v):
-    key = (dtype, group, head_dim_v)
+def _empty_workspace(dtype, num_kv_heads, group, head_dim_v):
+    key = (dtype, num_kv_heads, group, head_dim_v)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = _WORKSPACES[key] = (np.empty((0, group), dtype), np.empty((0, group, head_dim_v), dtype))
+        ws = _WORKSPACES[key] = (np.empty((0, num_kv_heads, group), dtype),
+                                 np.empty((0, num_kv_heads, group, head_dim_v), dtype))
     return ws
 
 
@@ -317,7 +367,7 @@ def _int8_unchecked(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_
     serial = mode == 1 or (mode == 0 and work * num_q_heads * (head_dim + head_dim_v) < SERIAL_WORK)
     if not serial:
         nthreads = numba.get_num_threads()
-        split = split_tokens if split_tokens > 0 else max(MIN_SPLIT_TOKENS, -(-work // (2 * nthreads)))
+        split = split_tokens if split_tokens > 0 else max(INT8_MIN_SPLIT_TOKENS, -(-work // (2 * nthreads)))
         split = -(-split // block) * block
         serial = mode == 0 and (nthreads < 2 or (nq == 1 and work <= split))       # a single unit
     if serial:

@@ -3,7 +3,7 @@
 A sequence whose keys are spread over several holders (workers of `decode.distributed`, each with a contiguous
 range of positions) is attended in two steps: every holder computes the unnormalised softmax state of the query
 over its own keys (`partial_attention`), and the caller merges the states (`merge_partials`). Both run the
-decode kernel's own code: `decode_units` with one workspace slot per (query, kv head) unit, and
+decode kernel's own code: `decode_units` with one workspace slot per query (a unit holds every kv head), and
 `combine_items`, the merge of the kernel's flash-decoding split-K.
 
     m, l, acc = partial_attention(q, k_pages, v_pages, pages, lo, hi, scale)
@@ -21,6 +21,7 @@ An empty range gives m = -inf, l = 0, acc = 0 (it contributes nothing to the mer
 """
 import numpy as np
 
+from .attention import BLOCK_TOKENS, PREFETCH_BYTES
 from .kernels import decode_units
 from .kernels.decode import combine_items
 
@@ -61,20 +62,21 @@ def partial_attention(q, k_pages, v_pages, pages, lo, hi, scale: float):
         raise ValueError(f"pages: expected physical pages in [0, {num_pages}) for the ranges read, got {used.tolist()}")
     group = num_q_heads // num_kv_heads
     q = np.ascontiguousarray(q)
-    wm = np.full((num_queries * num_kv_heads, group), -np.inf, dtype=compute)   # slot = query * num_kv_heads + h
-    wl = np.zeros((num_queries * num_kv_heads, group), dtype=compute)
-    wacc = np.zeros((num_queries * num_kv_heads, group, head_dim_v), dtype=compute)
-    units = np.array([(i, h, lo[i], hi[i], i * num_kv_heads + h) for i in range(num_queries) if hi[i] > lo[i]
-                      for h in range(num_kv_heads)], dtype=np.int64).reshape(-1, 5)   # [U, 5]
+    wm = np.full((num_queries, num_kv_heads, group), -np.inf, dtype=compute)      # slot = query
+    wl = np.zeros((num_queries, num_kv_heads, group), dtype=compute)
+    wacc = np.zeros((num_queries, num_kv_heads, group, head_dim_v), dtype=compute)
+    units = np.array([(i, lo[i], hi[i], i) for i in range(num_queries) if hi[i] > lo[i]],
+                     dtype=np.int64).reshape(-1, 4)                                # [U, 4] = (query, lo, hi, slot)
     if len(units):
         if k_pages.dtype == np.float16:
             k_pages, v_pages = k_pages.view(np.uint16), v_pages.view(np.uint16)
-        block = page_size * max(1, 64 // page_size)
+        block = page_size * max(1, BLOCK_TOKENS // page_size)
         indptr = np.array([0, len(pages)], dtype=np.int64)
         unused_out = np.empty((num_queries, num_q_heads, head_dim_v), dtype=compute)
         decode_units(q, k_pages, v_pages, pages, indptr, np.zeros(num_queries, np.int32), hi - 1, 0, float(scale),
-                     unused_out, units, 0, len(units), block, wm, wl, wacc)
-    return (wm.reshape(num_queries, num_q_heads), wl.reshape(num_queries, num_q_heads),
+                     unused_out, units, 0, len(units), block, PREFETCH_BYTES, wm, wl, wacc)
+    # the kernel keeps the max of the unscaled scores q.k; this module's contract is the max of the scaled ones
+    return (wm.reshape(num_queries, num_q_heads) * compute.type(scale), wl.reshape(num_queries, num_q_heads),
             wacc.reshape(num_queries, num_q_heads, head_dim_v))
 
 
@@ -94,19 +96,18 @@ def merge_partials(m, l, acc, num_kv_heads: int) -> np.ndarray:
     nonempty = m4[:, :, 0, 0] > -np.inf                           # [W, Q]: an empty range is -inf in every head
     if not nonempty.any(axis=0).all():
         raise ValueError("m: expected every query to have at least one non-empty part, got a query with none")
-    # the kernel runs with fastmath (no infinities): only non-empty parts go in; slots ordered (query, kv head, part)
-    sel_w, sel_i, sel_h, items = [], [], [], []
+    # the kernel runs with fastmath (no infinities): only non-empty parts go in; slots ordered (query, part), each
+    # with every kv head; m is already scaled, so the merge runs with scale 1
+    sel_w, sel_i, items = [], [], []
     for i in range(num_queries):
         ws = np.flatnonzero(nonempty[:, i])
-        for h in range(num_kv_heads):
-            items.append((i, h, len(sel_w), len(ws)))
-            sel_w.extend(ws)
-            sel_i.extend([i] * len(ws))
-            sel_h.extend([h] * len(ws))
-    wm = np.ascontiguousarray(m4[sel_w, sel_i, sel_h])                                  # [slots, G]
-    wl = np.ascontiguousarray(l.reshape(m4.shape)[sel_w, sel_i, sel_h])
-    wacc = np.ascontiguousarray(acc.reshape(m4.shape + (head_dim_v,))[sel_w, sel_i, sel_h])   # [slots, G, Dv]
-    items = np.array(items, dtype=np.int64).reshape(-1, 4)
+        items.append((i, len(sel_w), len(ws)))
+        sel_w.extend(ws)
+        sel_i.extend([i] * len(ws))
+    wm = np.ascontiguousarray(m4[sel_w, sel_i])                                          # [slots, H, G]
+    wl = np.ascontiguousarray(l.reshape(m4.shape)[sel_w, sel_i])
+    wacc = np.ascontiguousarray(acc.reshape(m4.shape + (head_dim_v,))[sel_w, sel_i])     # [slots, H, G, Dv]
+    items = np.array(items, dtype=np.int64).reshape(-1, 3)
     out = np.empty((num_queries, num_q_heads, head_dim_v), dtype=m.dtype)
-    combine_items(out, group, items, 0, len(items), wm, wl, wacc.astype(m.dtype, copy=False))
+    combine_items(out, items, 0, len(items), wm, wl, wacc.astype(m.dtype, copy=False), 1.0)
     return out

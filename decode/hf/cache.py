@@ -83,8 +83,8 @@ class PagedCache(Cache):
     ----------
     config : transformers.PretrainedConfig   the model's config (layers, KV heads, head_dim, sliding windows)
     max_tokens / num_pages : int             pool capacity over all rows (and forks) together; give one
-    dtype : "float16" | "float32" | "float64"   storage dtype (inputs are converted; outputs come back in the
-                                             model's dtype)
+    dtype : "float16" | "float32" | "float64" | "int8"   storage dtype (int8: `kvcache.quant`); inputs are
+                                             converted, outputs come back in the model's dtype
     page_size : int                          tokens per page
     prefix_caching : bool                    register full pages by token id, reuse them (`match_prefix`)
     namespace : str                          the pool's prefix namespace (name the model and its revision)

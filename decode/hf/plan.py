@@ -80,7 +80,8 @@ class ForwardPlan:
         q = self._real_rows(query, compute)                                               # [N, Hq, D]
         out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
                                      self.page_indptr, self.query_seq, self.query_pos, scale=scale,
-                                     window=window)                                       # [N, Hq, Dv]
+                                     window=window, k_scales=self.pool.k_scales(layer),
+                                     v_scales=self.pool.v_scales(layer))                  # [N, Hq, Dv]
         result = torch.from_numpy(out).to(query.dtype)
         b, t = self.batch, self.width
         if self.all_real:

@@ -1,12 +1,13 @@
 """Jitted building blocks over one page tile of one kv head: scores of a query-head group against key rows, the
-weighted sum of value rows, the online-softmax update, normalisation and the split-K merge.
+weighted sum of value rows, the online-softmax update, the scaled query load, normalisation and the split-K merge.
 Rows are taken as 1-D views and inner loops run over range(n) so that LLVM sees non-negative indices (no
 wraparound select) and vectorises them."""
 import math
 
+import numpy as np
 from numba import njit
 
-from .simd import FAST, dot14, dot44, exp, ld, prefetch, pv4
+from .simd import FAST, dot14, dot44, exp, ld, prefetch_lines, pv1, pv4
 
 
 @njit(cache=True, fastmath=FAST)
@@ -14,7 +15,7 @@ def qk(qs, kp, s0, s1, S, c0):
     """S[g, c0 + t - s0] = qs[g] . kp[t] for t in [s0, s1).  qs: [G, D] compute dtype, kp: [page_size, D] storage.
     Blocks of 4 query heads x 4 keys (groups >= 4) or 1 x 4 (`dot44` / `dot14`: each key row loaded once per
     block, the 16 or 4 dot products reduced together); leftover keys one at a time; head_dim beyond the last
-    multiple of 32 in a final pass."""
+    multiple of 32 in a final pass, accumulated in float64 (head_dim 1-3 scores are then correctly rounded)."""
     G = qs.shape[0]
     D = qs.shape[1]
     n = D - D % 32
@@ -92,15 +93,15 @@ def qk(qs, kp, s0, s1, S, c0):
             t += 1
             c += 1
         g += 1
-    if n < D:
+    if n < D:                      # the tail (all of head_dim < 32) in float64: exact products, one rounding
         for g in range(G):
             q0 = qs[g]
             Sg = S[g]
             for t in range(s0, s1):
                 k0 = kp[t]
-                a0 = z
+                a0 = 0.0
                 for d in range(n, D):
-                    a0 += q0[d] * ld(k0[d])
+                    a0 += np.float64(q0[d]) * np.float64(ld(k0[d]))
                 Sg[c0 + t - s0] += a0
 
 
@@ -108,76 +109,41 @@ def qk(qs, kp, s0, s1, S, c0):
 def pv(S, c0, vp, s0, s1, acc):
     """acc[g, :] += sum_t S[g, c0 + t - s0] * vp[t, :] for t in [s0, s1).
     Groups of 4 query heads: `pv4` keeps 4 heads x 32 accumulator lanes in registers over all the rows of the
-    chunk (each value vector loaded once per four heads). Other heads: 8 value rows at a time (one accumulator
-    load/store per 8 rows). head_dim_v beyond the last multiple of 32 in a final pass."""
+    chunk (each value vector loaded once per four heads); other heads `pv1` (one head, 32 lanes in registers).
+    head_dim_v beyond the last multiple of 32 in a final pass."""
     G = acc.shape[0]
     Dv = acc.shape[1]
     n = Dv - Dv % 32
-    g = 0
     if n > 0:
+        g = 0
         while g + 4 <= G:
             pv4(S, g, c0, vp, s0, s1, acc, n)
             g += 4
-        if n < Dv:
-            for h in range(g):
-                ah = acc[h]
-                w = S[h]
-                for t in range(s0, s1):
-                    v0 = vp[t]
-                    w0 = w[c0 + t - s0]
-                    for d in range(n, Dv):
-                        ah[d] += w0 * ld(v0[d])
-    while g < G:
-        ag = acc[g]
-        w = S[g]
-        t = s0
-        c = c0
-        while t + 8 <= s1:
-            v0 = vp[t]
-            v1 = vp[t + 1]
-            v2 = vp[t + 2]
-            v3 = vp[t + 3]
-            v4 = vp[t + 4]
-            v5 = vp[t + 5]
-            v6 = vp[t + 6]
-            v7 = vp[t + 7]
-            w0 = w[c]
-            w1 = w[c + 1]
-            w2 = w[c + 2]
-            w3 = w[c + 3]
-            w4 = w[c + 4]
-            w5 = w[c + 5]
-            w6 = w[c + 6]
-            w7 = w[c + 7]
-            for d in range(Dv):
-                ag[d] += ((w0 * ld(v0[d]) + w1 * ld(v1[d])) + (w2 * ld(v2[d]) + w3 * ld(v3[d]))) + \
-                         ((w4 * ld(v4[d]) + w5 * ld(v5[d])) + (w6 * ld(v6[d]) + w7 * ld(v7[d])))
-            t += 8
-            c += 8
-        while t < s1:
-            v0 = vp[t]
-            w0 = w[c]
-            for d in range(Dv):
-                ag[d] += w0 * ld(v0[d])
-            t += 1
-            c += 1
-        g += 1
+        while g < G:
+            pv1(S, g, c0, vp, s0, s1, acc, n)
+            g += 1
+    if n < Dv:
+        for g in range(G):
+            ag = acc[g]
+            w = S[g]
+            for t in range(s0, s1):
+                v0 = vp[t]
+                w0 = w[c0 + t - s0]
+                for d in range(n, Dv):
+                    ag[d] += w0 * ld(v0[d])
 
 
 @njit(cache=True, fastmath=FAST)
 def prefetch_rows(tile, s0, s1):
-    """Prefetch rows [s0, s1) of a page tile, one hint per 64-byte line."""
-    step = max(1, 64 // tile.itemsize)
-    for t in range(s0, s1):
-        row = tile[t]
-        for d in range(0, row.shape[0], step):
-            prefetch(row, d)
+    """Prefetch rows [s0, s1) of a page tile [page_size, head_dim], one hint per 64-byte line."""
+    prefetch_lines(tile, s0, s1)
 
 
 @njit(cache=True, fastmath=FAST)
-def softmax_block(S, nb, m, l, acc, first):
-    """Online-softmax update with the block's scores S[:, :nb]: new running max, rescale (once per block, only
-    when the max grew), S <- exp(S - max), running sum += sum(S)."""
+def softmax_block(S, nb, m, l, acc, first, scale):
+    """Online-softmax update with the block's unscaled scores S[:, :nb] (q.k): new running max (unscaled), rescale
+    (once per block, only when the max grew), S <- exp((S - max) * scale), running sum += sum(S). The difference
+    is taken before the scale multiplies it, so near-maximal scores keep their exact gap."""
     G = S.shape[0]
     Dv = acc.shape[1]
     for g in range(G):
@@ -196,14 +162,14 @@ def softmax_block(S, nb, m, l, acc, first):
             mg = m[g]
             lg = l[g]
             if mb > mg:
-                alpha = exp(mg - mb)
+                alpha = exp((mg - mb) * scale)
                 for d in range(Dv):
                     ag[d] *= alpha
                 lg *= alpha
                 mg = mb
         s = z
         for c in range(nb):
-            p = exp(Sg[c] - mg)
+            p = exp((Sg[c] - mg) * scale)
             Sg[c] = p
             s += p
         m[g] = mg
@@ -211,22 +177,8 @@ def softmax_block(S, nb, m, l, acc, first):
 
 
 @njit(cache=True, fastmath=FAST)
-def prefetch_span(pool, pages, h, p0, p1):
-    """Prefetch the rows of kv head h holding absolute positions [p0, p1) of the sequence with page row `pages`."""
-    P = pool.shape[2]
-    t = p0
-    while t < p1:
-        j = t // P
-        s0 = t - j * P
-        s1 = min(P, p1 - j * P)
-        prefetch_rows(pool[pages[j], h], s0, s1)
-        t += s1 - s0
-
-
-
-@njit(cache=True, fastmath=FAST)
 def load_group(q, i, h, scale, qs):
-    """qs[g, :] = q[i, h*G + g, :] * scale (one rounding)."""
+    """qs[g, :] = q[i, h*G + g, :] * scale (one rounding; the int8 kernel's pre-scaled query)."""
     G = qs.shape[0]
     D = qs.shape[1]
     for g in range(G):
@@ -234,6 +186,21 @@ def load_group(q, i, h, scale, qs):
         dst = qs[g]
         for d in range(D):
             dst[d] = src[d] * scale
+
+
+@njit(cache=True, fastmath=FAST)
+def load_heads(qi, qs):
+    """qs[h, g, :] = qi[h*G + g, :].  qi: [num_q_heads, head_dim], qs: [num_kv_heads, G, head_dim] (the scale is
+    applied to score differences in `softmax_block`, not to q: no rounding of q)."""
+    H = qs.shape[0]
+    G = qs.shape[1]
+    D = qs.shape[2]
+    for h in range(H):
+        for g in range(G):
+            src = qi[h * G + g]
+            dst = qs[h, g]
+            for d in range(D):
+                dst[d] = src[d]
 
 
 @njit(cache=True, fastmath=FAST)
@@ -250,8 +217,37 @@ def normalise(acc, l, dst):
 
 
 @njit(cache=True, fastmath=FAST)
+def combine_heads(wm, wl, wacc, w0, n, dst, scale):
+    """Merge n partial results (unscaled max, sum, unnormalised output) stored at slots w0..w0+n-1 into dst.
+    wm, wl: [slots, num_kv_heads, G], wacc: [slots, num_kv_heads, G, head_dim_v], dst: [num_q_heads, head_dim_v]
+    (query head h*G + g)."""
+    H = wm.shape[1]
+    G = wm.shape[2]
+    Dv = dst.shape[1]
+    for h in range(H):
+        for g in range(G):
+            mx = wm[w0, h, g]
+            for s in range(1, n):
+                mx = max(mx, wm[w0 + s, h, g])
+            og = dst[h * G + g]
+            tot = 0.0
+            for d in range(Dv):
+                og[d] = 0.0
+            for s in range(n):
+                f = math.exp((np.float64(wm[w0 + s, h, g]) - mx) * scale)  # float64: cheap, keep it exact
+                tot += f * wl[w0 + s, h, g]
+                src = wacc[w0 + s, h, g]
+                for d in range(Dv):
+                    og[d] += f * src[d]
+            inv = 1.0 / tot
+            for d in range(Dv):
+                og[d] *= inv
+
+
+@njit(cache=True, fastmath=FAST)
 def combine(wm, wl, wacc, w0, n, dst):
-    """Merge n partial results (max, sum, unnormalised output) stored at w0..w0+n-1 into dst[G, Dv]."""
+    """Merge n partial results (max of pre-scaled scores, sum, unnormalised output) stored at w0..w0+n-1 into
+    dst[G, Dv] (the int8 kernel's layout: wm, wl [slots, G], wacc [slots, G, Dv])."""
     G = dst.shape[0]
     Dv = dst.shape[1]
     for g in range(G):

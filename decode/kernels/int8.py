@@ -28,6 +28,7 @@ from numba.extending import intrinsic, overload
 from .blocks import combine, load_group, normalise, pv, qk, softmax_block
 from .simd import FAST, JIT, ld
 
+ONE = np.float32(1.0)  # softmax_block's scale: this kernel scales q up front
 GROUP = 32            # values per scale (kvcache.quant.GROUP_SIZE; the kernels import nothing of kvcache)
 CHUNK = 16            # rows per widened tile
 
@@ -373,7 +374,7 @@ def attend_range_int8(qs, kq, ks, vq, vs, pages, lo, hi, block, S, m, l, acc, kt
             c += s1 - s0
             t += s1 - s0
         for h in range(Hkv):
-            softmax_block(S[h], c, m[h], l[h], acc[h], first)
+            softmax_block(S[h], c, m[h], l[h], acc[h], first, ONE)   # scores pre-scaled (load_group)
         first = False
         c = 0
         t = b0

@@ -1,5 +1,6 @@
 """Scalar and SIMD helpers shared by the kernels: storage element loads (float16 bits -> float32), prefetch hints,
-exact 2**n, a polynomial exp, and LLVM-IR register blocks (4x4 / 1x4 dot products, 4-head PV accumulation).
+exact 2**n, a polynomial exp, and LLVM-IR register blocks (4x4 / 1x4 dot products, 4-head and 1-head PV
+accumulation).
 Each has a plain-Python twin used under NUMBA_DISABLE_JIT and a typed implementation for the JIT."""
 import math
 
@@ -30,6 +31,13 @@ def ld(x):
 
 def prefetch(row, i):
     """Hint: the cache line holding row[i] will be read soon (no-op without the JIT)."""
+    return None
+
+
+def prefetch_lines(tile, r0, r1):
+    """Hint: rows [r0, r1) of a C-contiguous tile (rows = its last axis: a [rows, head_dim] tile or a whole page
+    [num_kv_heads, page_size, head_dim] as num_kv_heads * page_size rows) will be read soon, one hint per
+    64-byte line of the contiguous span (no views, no per-row work; a no-op without the JIT)."""
     return None
 
 
@@ -85,6 +93,39 @@ if JIT:
     def _prefetch_ov(row, i):
         return lambda row, i: _prefetch_intrinsic(row, i)
 
+    @intrinsic
+    def _prefetch_lines_intrinsic(typingctx, tile, r0, r1):
+        if not (isinstance(tile, types.Array) and tile.ndim >= 2 and isinstance(r0, types.Integer)
+                and isinstance(r1, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            from numba.core import cgutils
+            aty = sig.args[0]
+            ary = context.make_array(aty)(context, builder, args[0])
+            cols = cgutils.unpack_tuple(builder, ary.shape, aty.ndim)[aty.ndim - 1]
+            i64 = _ir.IntType(64)
+            i32 = _ir.IntType(32)
+            i8p = _ir.IntType(8).as_pointer()
+            item = _ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(aty.dtype)))
+            a = context.cast(builder, args[1], sig.args[1], types.int64)
+            b = context.cast(builder, args[2], sig.args[2], types.int64)
+            base = builder.bitcast(ary.data, i8p)
+            lo = builder.mul(builder.mul(a, cols), item)
+            hi = builder.mul(builder.mul(b, cols), item)
+            fn = cgutils.get_or_insert_function(builder.module, _ir.FunctionType(_ir.VoidType(), [i8p, i32, i32, i32]),
+                                                "llvm.prefetch.p0")
+            with cgutils.for_range_slice(builder, lo, hi, _ir.Constant(i64, 64)) as (off, _):
+                builder.call(fn, [builder.gep(base, [off]), _ir.Constant(i32, 0), _ir.Constant(i32, 2),
+                                  _ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.void(tile, r0, r1), codegen
+
+    @overload(prefetch_lines)
+    def _prefetch_lines_ov(tile, r0, r1):
+        return lambda tile, r0, r1: _prefetch_lines_intrinsic(tile, r0, r1)
+
     @overload(ld)
     def _ld_ov(x):
         if x == types.uint16:
@@ -129,6 +170,11 @@ def pv4(S, g, c, vp, t0, t1, acc, n):
     V = row_f(vp[t0:t1, :n])
     for a in range(4):
         acc[g + a, :n] += S[g + a, c:c + t1 - t0] @ V
+
+
+def pv1(S, g, c, vp, t0, t1, acc, n):
+    """acc[g, :n] += sum_t S[g, c + t - t0] * vp[t, :n] over t in [t0, t1) (one head)."""
+    acc[g, :n] += S[g, c:c + t1 - t0] @ row_f(vp[t0:t1, :n])
 
 
 if JIT:
@@ -271,6 +317,7 @@ if JIT:
     _dot44_ir = _make_dot(4, 4)
     _dot14_ir = _make_dot(1, 4)
     _pv4_ir = _make_pv(4, 2)
+    _pv1_ir = _make_pv(1, 2)
 
     @overload(dot44)
     def _dot44_ov(qs, g, kp, t, n):
@@ -283,6 +330,10 @@ if JIT:
     @overload(pv4)
     def _pv4_ov(S, g, c, vp, t0, t1, acc, n):
         return lambda S, g, c, vp, t0, t1, acc, n: _pv4_ir(S, g, c, vp, t0, t1, acc, n)
+
+    @overload(pv1)
+    def _pv1_ov(S, g, c, vp, t0, t1, acc, n):
+        return lambda S, g, c, vp, t0, t1, acc, n: _pv1_ir(S, g, c, vp, t0, t1, acc, n)
 
 
 _LOG2E_F = np.float32(1.44269504088896341)
