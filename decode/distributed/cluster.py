@@ -43,6 +43,10 @@ class Failure:
         return error
 
 
+class CommitFailure(Failure):
+    """A deferred commit raised inside the worker: its pool no longer matches the decided state."""
+
+
 class ShardServer:
     """The actor: a `Shard` built inside the worker process (its pool is allocated there), numba limited to the
     worker's CPU share."""
@@ -58,6 +62,16 @@ class ShardServer:
             return getattr(self.shard, method)(*args)
         except Exception as e:                                     # noqa: BLE001 (sent back to the caller)
             return Failure(e)
+
+    def call_after(self, commits: list, method: str, *args):
+        """Commit the transactions ``commits`` (decided earlier, see `Cluster.commit_later`), then `call`; a
+        failed commit returns `CommitFailure` (and the call is not made)."""
+        for txid in commits:
+            try:
+                self.shard.commit(txid)
+            except Exception as e:                                 # noqa: BLE001 (sent back to the caller)
+                return CommitFailure(e)
+        return self.call(method, *args)
 
     def threads(self) -> int:
         return numba.get_num_threads()
@@ -84,7 +98,8 @@ class Cluster:
         self.logs = [[] for _ in configs]                          # committed operations since the checkpoint
         self.checkpoints: list = [None] * len(configs)             # (path, sequences) of the last checkpoint
         self.lost: dict[int, str] = {}
-        self.pending: list[dict] = []                              # commits sent, not yet confirmed
+        self.deferred: dict[int, list] = {}                        # worker -> decided txids not yet delivered
+        self.lost_committing: set[int] = set()                     # lost while a decided commit was due
         self._txids = itertools.count()
         self._generation = 0
         self.closed = False
@@ -111,27 +126,36 @@ class Cluster:
 
     # -- calls ----------------------------------------------------------------------------------------------
     def require(self, workers=None) -> None:
-        """Confirm the commits sent (`settle`), then `WorkerLostError` if one of ``workers`` (None: all) was lost
-        earlier (nothing is sent); RuntimeError once closed."""
+        """`WorkerLostError` if one of ``workers`` (None: all) was lost earlier (nothing is sent); RuntimeError
+        once closed."""
         if self.closed:
             raise RuntimeError("decoder: expected an open decoder, got one that was closed")
-        self.settle()
         for i, reason in sorted(self.lost.items()):
             if workers is None or i in workers:
-                raise WorkerLostError(i, self.describe(i), f"lost earlier: {reason}; call recover()")
+                raise WorkerLostError(i, self.describe(i), f"lost earlier: {reason}; call recover()",
+                                      i in self.lost_committing)
 
     def gather(self, calls: dict[int, tuple], timeout: float | None = None):
         """Send ``calls[i] = (method, *args)`` to worker i, all at once; wait with one deadline.
 
         Returns ``(results, errors, lost)``: results by worker, the exceptions raised inside workers (unwrapped)
         and the reasons of the workers lost in this call (killed on a timeout)."""
-        refs = {i: self.actors[i].call.remote(*call) for i, call in calls.items()}
+        refs = {}
+        for i, call in calls.items():
+            commits = self.deferred.pop(i, None)
+            refs[i] = (self.actors[i].call_after.remote(commits, *call) if commits
+                       else self.actors[i].call.remote(*call))
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         results, errors, lost = {}, {}, {}
         for i, ref in refs.items():
             try:
                 result = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-                if isinstance(result, Failure):
+                if isinstance(result, CommitFailure):
+                    error = result.rebuild()
+                    lost[i] = f"its commit raised {type(error).__name__}: {error}; killed"
+                    self.lost_committing.add(i)
+                    ray.kill(self.actors[i], no_restart=True)
+                elif isinstance(result, Failure):
                     errors[i] = result.rebuild()
                 else:
                     results[i] = result
@@ -156,34 +180,19 @@ class Cluster:
         self.require([] if survivors_only else None)
         return self.call_all({i: ("state",) for i in range(len(self.actors)) if i not in self.lost})
 
-    def commit_later(self, workers, txid: int) -> None:
-        """Send the commit of ``txid`` to ``workers`` without waiting: it is the second phase of a call whose
-        outcome is decided (every worker prepared), and each worker runs it before its next call (Ray keeps one
-        caller's calls to an actor in order). `settle` confirms it at the start of the next call."""
-        self.pending.append({w: self.actors[w].call.remote("commit", txid) for w in workers})
+    def ping(self, payload=None) -> None:
+        """One round trip to every worker at once, ``payload`` there and back (measurements)."""
+        self.require()
+        self.call_all({i: ("ping", payload) for i in range(len(self.actors))})
 
-    def settle(self) -> None:
-        """Wait (with the timeout) for the commits sent. A worker that died, timed out, or whose commit raised
-        is lost (killed): its pool no longer matches the others. The first such loss is raised as
-        `WorkerLostError` with ``committed=True``: the call took effect on the others and is in the log."""
-        pending, self.pending = self.pending, []
-        deadline = time.monotonic() + self.timeout
-        lost = {}
-        for refs in pending:
-            for i, ref in refs.items():
-                try:
-                    result = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-                    if isinstance(result, Failure):
-                        error = result.rebuild()
-                        lost[i] = f"its commit raised {type(error).__name__}: {error}; killed"
-                        ray.kill(self.actors[i], no_restart=True)
-                except RayActorError as e:
-                    lost[i] = f"died while committing: {type(e).__name__}"
-                except GetTimeoutError:
-                    lost[i] = f"commit not confirmed within the {self.timeout:g} s timeout; killed"
-                    ray.kill(self.actors[i], no_restart=True)
-        self.lost.update(lost)
-        raise_first(self, {}, lost, committed=True)
+    def commit_later(self, workers, txid: int) -> None:
+        """The second phase of a call whose outcome is decided (every worker prepared): the commit travels
+        with the next call to each worker (`ShardServer.call_after`), which runs it first; Ray keeps one
+        caller's calls to an actor in order, so every later call sees it committed. A worker lost before it
+        committed is rebuilt by `recover` from the log, which has the decided call; one whose commit raises
+        is killed and reported (``committed=True``) by that next call."""
+        for w in workers:
+            self.deferred.setdefault(w, []).append(txid)
 
     def log(self, i: int, op: tuple) -> None:
         self.logs[i].append(op)
@@ -213,10 +222,6 @@ class Cluster:
         """Rebuild every lost worker from its log (module docstring); returns their indices."""
         if self.closed:
             raise RuntimeError("decoder: expected an open decoder, got one that was closed")
-        try:
-            self.settle()
-        except WorkerLostError:
-            pass
         rebuilt = sorted(self.lost)
         for i in rebuilt:
             self.actors[i] = actor = self._start(i)
@@ -228,6 +233,8 @@ class Cluster:
                     raise result.rebuild()
             self.pids[i] = ray.get(actor.call.remote("state"), timeout=self.timeout)["pid"]
             del self.lost[i]
+            self.lost_committing.discard(i)
+            self.deferred.pop(i, None)                 # the log already has the decided calls
         if rebuilt:
             check_loopback()
         return rebuilt
@@ -238,7 +245,6 @@ class Cluster:
         if self.closed:
             return
         self.closed = True
-        self.pending = []
         for actor in self.actors:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
@@ -261,7 +267,7 @@ def _alive(pid: int) -> bool:
 
 def raise_first(cluster: Cluster, errors: dict, lost: dict, committed: bool = False) -> None:
     for i, reason in sorted(lost.items()):
-        raise WorkerLostError(i, cluster.describe(i), reason, committed)
+        raise WorkerLostError(i, cluster.describe(i), reason, committed or i in cluster.lost_committing)
     for i in sorted(errors):
         raise errors[i]
 

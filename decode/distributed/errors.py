@@ -10,14 +10,16 @@ class WorkerLostError(RuntimeError):
     holdings : str      what it held: the sequences and, for context sharding, their position ranges; for head
                         sharding, its kv heads
     reason : str        how it was lost (the Ray error, or the timeout)
-    committed : bool    False: the call was rolled back on every other worker (they are as before the call);
-                        True: it was lost while committing, after every worker had prepared, so the call took
-                        effect on the others and `recover()` replays it on the rebuilt worker
+    committed : bool    True when the worker failed to commit an earlier call that every worker had prepared
+                        (decided): that call stands on the others and `recover()` replays it on the rebuilt
+                        worker. In every case the current call was rolled back on the other workers (they
+                        are byte for byte as before it)
     """
 
     def __init__(self, worker: int, holdings: str, reason: str, committed: bool = False):
         self.worker, self.holdings, self.reason, self.committed = worker, holdings, reason, committed
-        outcome = ("the call was committed on the other workers; recover() rebuilds this one with it" if committed
+        outcome = ("its commit of an earlier, decided call failed: that call stands on the other workers and "
+                   "recover() replays it here" if committed
                    else "the call was rolled back on the other workers; recover() rebuilds this one")
         super().__init__(f"worker {worker} lost ({reason}); it held {holdings}; {outcome}")
 

@@ -58,7 +58,7 @@ class DecoderPool:
         """A new empty sequence on the live worker holding the fewest sequences (the lowest index on a tie)."""
         cluster = self._family.cluster
         alive = [w for w in range(self.workers) if w not in cluster.lost]
-        cluster.require(alive or None)                 # settles; raises only when every worker is lost
+        cluster.require(alive or None)                 # raises only when every worker is lost
         home = self._family.layout.home
         load = {w: 0 for w in alive}
         for sid in self._family.lengths:
@@ -97,6 +97,11 @@ class DecoderPool:
         return seqs
 
     # -- workers --------------------------------------------------------------------------------------------
+    def ping(self, payload=None) -> None:
+        """One round trip to every worker in parallel, ``payload`` there and back (what a call costs beyond its
+        work: benchmarks/test_distributed.py)."""
+        self._family.cluster.ping(payload)
+
     def worker_states(self, survivors_only: bool = False) -> dict[int, dict]:
         """Per worker: fingerprint of its pool and metadata (``fingerprint``; ``content``: the bytes in use
         only), free pages, pid, open transactions. ``survivors_only``: of the workers not lost."""

@@ -61,6 +61,10 @@ class Shard:
     def kv(self, sid: int, layer: int):
         return self.decoders[sid].kv(layer)
 
+    def ping(self, payload):
+        """Return ``payload`` (a round trip, for measurements)."""
+        return payload
+
     def state(self) -> dict:
         """Fingerprint of the pool and its metadata, free pages, pid (for tests and `WorkerLostError`)."""
         return {"fingerprint": self.cache.fingerprint(), "free_pages": self.cache.num_free_pages,

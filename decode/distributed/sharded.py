@@ -8,7 +8,8 @@
 Every call is checked in the driver first, by the single-process checks (`decode.distributed.validate`), so a
 bad input raises the single-process exception and nothing is sent. Then it runs in two phases: each worker
 opens its transaction, writes its part and computes (phase 1, one round trip, in parallel); when every worker
-answered, the commit is sent (phase 2, confirmed at the start of the next call: `Cluster.commit_later`). If a
+answered, the call is decided and its commit travels with the next call to each worker (phase 2,
+`Cluster.commit_later`: one round trip per step). If a
 worker raises, dies or times out in phase 1, every other worker rolls back, so their pools are byte for byte
 as before, and the caller gets the worker's exception or `WorkerLostError`.
 """
@@ -228,6 +229,11 @@ class ShardedDecoder:
         del family.lengths[self._sid]
 
     # -- workers --------------------------------------------------------------------------------------------
+    def ping(self, payload=None) -> None:
+        """One round trip to every worker in parallel, ``payload`` there and back (what a call costs beyond its
+        work: benchmarks/test_distributed.py)."""
+        self._family.cluster.ping(payload)
+
     def worker_states(self, survivors_only: bool = False) -> dict[int, dict]:
         """Per worker: fingerprint of its pool and metadata (``fingerprint``; ``content``: the bytes in use
         only), free pages, pid, open transactions. ``survivors_only``: of the workers not lost."""

@@ -88,6 +88,10 @@ class PagedCache(Cache):
     page_size : int                          tokens per page
     prefix_caching : bool                    register full pages by token id, reuse them (`match_prefix`)
     namespace : str                          the pool's prefix namespace (name the model and its revision)
+    kernel_threads : int or None             numba threads of the attention kernel (None: numba's setting).
+                                             1 by default: torch's OpenMP threads keep spinning after each op
+                                             and take the cores numba's threads wait for (measured 20x slower
+                                             per decode call, docs/transformers.md)
 
     Attributes
     ----------
@@ -96,15 +100,18 @@ class PagedCache(Cache):
     """
 
     def __init__(self, config, *, max_tokens=None, num_pages=None, dtype="float32", page_size=16,
-                 prefix_caching=False, namespace=""):
+                 kernel_threads: int | None = 1, prefix_caching=False, namespace=""):
+        if kernel_threads is not None and (isinstance(kernel_threads, bool) or not isinstance(kernel_threads, int)
+                                           or kernel_threads < 1):
+            raise ValueError(f"kernel_threads: expected None or an int >= 1, got {kernel_threads!r}")
         layout = layout_of(config)
         pool = KVCache(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                        dtype=dtype, page_size=page_size, num_pages=num_pages, max_tokens=max_tokens,
                        prefix_caching=prefix_caching, namespace=namespace)
-        self._setup(layout, pool, None, RowColumns(0))
+        self._setup(layout, pool, None, RowColumns(0), kernel_threads)
 
-    def _setup(self, layout: ModelLayout, pool: KVCache, seqs, cols: RowColumns) -> None:
-        self.layout, self.pool = layout, pool
+    def _setup(self, layout: ModelLayout, pool: KVCache, seqs, cols: RowColumns, kernel_threads) -> None:
+        self.layout, self.pool, self.kernel_threads = layout, pool, kernel_threads
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
         self._seqs, self._cols = seqs, cols
         self._plan = None
@@ -189,7 +196,7 @@ class PagedCache(Cache):
         if self._seqs is None:
             seqs = [self.pool.create_sequence() for _ in range(batch)]
             try:
-                self._plan = ForwardPlan(self.pool, seqs, new_real, ids)
+                self._plan = ForwardPlan(self.pool, seqs, new_real, self.kernel_threads, ids)
             except BaseException:
                 for seq in seqs:
                     self.pool.free(seq)
@@ -199,7 +206,7 @@ class PagedCache(Cache):
             if batch != len(self._seqs):
                 raise ValueError(f"input batch: expected {len(self._seqs)} rows (the cache's; change them with "
                                  f"reorder_cache / batch_select_indices / batch_repeat_interleave), got {batch}")
-            self._plan = ForwardPlan(self.pool, self._seqs, new_real, ids)
+            self._plan = ForwardPlan(self.pool, self._seqs, new_real, self.kernel_threads, ids)
 
     def _forward_ids(self, batch: int, width: int):
         """``[B, T]`` token ids of this forward's columns if known (the model's input_ids through
@@ -377,7 +384,7 @@ class PagedCache(Cache):
         self._settle()
         child = PagedCache.__new__(PagedCache)
         seqs = None if self._seqs is None else [self.pool.fork(s) for s in self._seqs]
-        child._setup(self.layout, self.pool, seqs, self._cols.copy())
+        child._setup(self.layout, self.pool, seqs, self._cols.copy(), self.kernel_threads)
         child._record_past = self._record_past
         return child
 

@@ -7,6 +7,7 @@ Shapes (named dimensions; B = batch rows, T = new columns of this forward, N = r
     key    [B, num_kv_heads, T, head_dim]     the *new* states only (PagedCache.update returns them as given)
     new_real  bool [B, T]                     True where the new column is a real token (False: padding)
 """
+import numba
 import numpy as np
 import torch
 
@@ -24,8 +25,9 @@ class ForwardPlan:
     token_ids : int [B, T] or None   the columns' token ids (prefix caching registers the real ones)
     """
 
-    def __init__(self, pool, seqs, new_real: np.ndarray, token_ids=None):
+    def __init__(self, pool, seqs, new_real: np.ndarray, kernel_threads: int | None = 1, token_ids=None):
         self.pool = pool
+        self.kernel_threads = kernel_threads
         self.new_real = new_real
         batch, width = new_real.shape
         self.batch, self.width = batch, width
@@ -78,10 +80,16 @@ class ForwardPlan:
             self.tx.write(layer, seq, k[start:stop], v[start:stop])
         self.layers_written += 1
         q = self._real_rows(query, compute)                                               # [N, Hq, D]
-        out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
-                                     self.page_indptr, self.query_seq, self.query_pos, scale=scale,
-                                     window=window, k_scales=self.pool.k_scales(layer),
-                                     v_scales=self.pool.v_scales(layer))                  # [N, Hq, Dv]
+        threads = numba.get_num_threads()
+        if self.kernel_threads is not None:
+            numba.set_num_threads(min(self.kernel_threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
+                                         self.page_indptr, self.query_seq, self.query_pos, scale=scale,
+                                         window=window, k_scales=self.pool.k_scales(layer),
+                                         v_scales=self.pool.v_scales(layer))              # [N, Hq, Dv]
+        finally:
+            numba.set_num_threads(threads)
         result = torch.from_numpy(out).to(query.dtype)
         b, t = self.batch, self.width
         if self.all_real:

@@ -55,6 +55,17 @@ def h2f_all(src, dst):
     dst[:n] = src.reshape(n).view(np.float16).astype(np.float32)
 
 
+def pv4_i8(S, g, c, vp, st, nsg, t0, t1, acc, ng):
+    """acc[g + a, :ng*32] += sum_t S[g + a, c + t - t0] * (vp[t, :ng*32] * its group scales) over t in [t0, t1),
+    a < 4: S [G, block] float32, vp [page_size, Dv] int8, st 1-D float32 page-tile scales (row stride nsg),
+    acc [G, Dv] float32."""
+    n = ng * GROUP
+    for t in range(t0, t1):
+        row = vp[t, :n].astype(np.float32) * np.repeat(st[t * nsg:t * nsg + ng], GROUP)
+        for a in range(4):
+            acc[g + a, :n] += S[g + a, c + t - t0] * row
+
+
 def dot4_i8(qv, kp, t, st, nsg, ng):
     """4 scores sum_d qv[d] * kp[t + r, d] * st[(t + r) * nsg + d // 32] over the first ng groups of 32 (r < 4):
     qv 1-D float32, kp 2-D int8, st 1-D float32 (the page tile's scales, `scales_f32`)."""
@@ -216,6 +227,52 @@ if JIT:
     def _h2f_all_ov(src, dst):
         return lambda src, dst: _h2f_all(src, dst)
 
+    @intrinsic
+    def _pv4_i8(typingctx, S, g, c, vp, st, nsg, t0, t1, acc, ng):
+        if not (_is(S, types.float32, 2) and _is(vp, types.int8, 2) and _is(st, types.float32, 1)
+                and _is(acc, types.float32, 2)
+                and all(isinstance(x, types.Integer) for x in (g, c, nsg, t0, t1, ng))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i64 = _ir.IntType(64)
+            sa = context.make_array(sig.args[0])(context, builder, args[0])
+            va = context.make_array(sig.args[3])(context, builder, args[3])
+            ta = context.make_array(sig.args[4])(context, builder, args[4])
+            aa = context.make_array(sig.args[8])(context, builder, args[8])
+            g_, c_, nsg_, t0_, t1_, ng_ = (context.cast(builder, args[i], sig.args[i], types.int64)
+                                           for i in (1, 2, 5, 6, 7, 9))
+            scols = _cg.unpack_tuple(builder, sa.shape, 2)[1]
+            vcols = _cg.unpack_tuple(builder, va.shape, 2)[1]
+            acols = _cg.unpack_tuple(builder, aa.shape, 2)[1]
+            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
+                                             "llvm.fma.v32f32")
+            heads = [builder.add(g_, _ir.Constant(i64, a)) for a in range(4)]
+            slots = [_cg.alloca_once(builder, _VF) for _ in range(4)]
+            with _cg.for_range_slice(builder, _ir.Constant(i64, 0), ng_, _ir.Constant(i64, 1)) as (grp, _):
+                d = builder.mul(grp, _ir.Constant(i64, GROUP))
+                aptrs = [builder.bitcast(builder.gep(aa.data, [builder.add(builder.mul(h, acols), d)]),
+                                         _VF.as_pointer()) for h in heads]
+                for sl, p in zip(slots, aptrs):
+                    builder.store(builder.load(p, align=4), sl)
+                with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(i64, 1)) as (t, _):
+                    x = _load_i8(builder, builder.gep(va.data, [builder.add(builder.mul(t, vcols), d)]))
+                    scale = builder.load(builder.gep(ta.data, [builder.add(builder.mul(t, nsg_), grp)]))
+                    x = builder.fmul(x, _splat(builder, scale))
+                    col = builder.add(c_, builder.sub(t, t0_))
+                    for h, sl in zip(heads, slots):
+                        w = builder.load(builder.gep(sa.data, [builder.add(builder.mul(h, scols), col)]))
+                        builder.store(builder.call(fma, [_splat(builder, w), x, builder.load(sl)]), sl)
+                for sl, p in zip(slots, aptrs):
+                    builder.store(builder.load(sl), p, align=4)
+            return context.get_dummy_value()
+
+        return types.void(S, g, c, vp, st, nsg, t0, t1, acc, ng), codegen
+
+    @overload(pv4_i8)
+    def _pv4_i8_ov(S, g, c, vp, st, nsg, t0, t1, acc, ng):
+        return lambda S, g, c, vp, st, nsg, t0, t1, acc, ng: _pv4_i8(S, g, c, vp, st, nsg, t0, t1, acc, ng)
+
     @overload(dot4_i8)
     def _dot4_i8_ov(qv, kp, t, st, nsg, ng):
         return lambda qv, kp, t, st, nsg, ng: _dot4_i8(qv, kp, t, st, nsg, ng)
@@ -292,6 +349,47 @@ def pv_folded(S, c0, vp, st, s0, s1, acc):
                 row = vp[t]
                 for d in range(full * GROUP, Dv):
                     ag[d] += w0 * np.float32(row[d])
+
+
+@njit(cache=True, fastmath=FAST)
+def pv_int8(S, c0, vp, st, s0, s1, acc, vt):
+    """acc[g, :] += sum_t S[g, c0 + t - s0] * (vp[t] * its group scales) for t in [s0, s1), G >= 4 query heads per
+    kv head. G < 8: `pv4_i8` keeps 4 heads x 32 lanes in registers over the rows and converts each int8 value
+    vector once per 4 heads (scale applied to the vector, shared by the 4 heads); G >= 8 (every head), leftover
+    heads and a short last group: a widened tile per chunk (`widen_rows`, converted once for all heads). S [G, block], vp [page_size, Dv] int8, st the page tile's
+    scales, acc [G, Dv], vt [CHUNK, Dv] float32 scratch."""
+    G = acc.shape[0]
+    Dv = acc.shape[1]
+    full = Dv // GROUP
+    NG = -(-Dv // GROUP)
+    RC = vt.shape[0]
+    if G >= 8 or full == 0:             # from 8 heads on, one widened tile per chunk converts less (measured)
+        r = s0
+        while r < s1:
+            r1 = min(s1, r + RC)
+            widen_rows(vp, st, r, r1, vt)
+            pv(S, c0 + r - s0, vt, 0, r1 - r, acc)
+            r = r1
+        return
+    g4 = G - G % 4
+    if full > 0:
+        for g in range(0, g4, 4):
+            pv4_i8(S, g, c0, vp, st, NG, s0, s1, acc, full)
+    if g4 < G or full < NG:
+        r = s0
+        while r < s1:
+            r1 = min(s1, r + RC)
+            widen_rows(vp, st, r, r1, vt)
+            for g in range(G):
+                w = S[g]
+                ag = acc[g]
+                d0 = 0 if g >= g4 else full * GROUP
+                for t in range(r, r1):
+                    w0 = w[c0 + t - s0]
+                    row = vt[t - r]
+                    for d in range(d0, Dv):
+                        ag[d] += w0 * row[d]
+            r = r1
 
 
 @njit(cache=True, fastmath=FAST)
@@ -388,13 +486,7 @@ def attend_range_int8(qs, kq, ks, vq, vs, pages, lo, hi, block, S, m, l, acc, kt
                 if G < 4:
                     pv_folded(S[h], c, vq[page, h], vst, s0, s1, acc[h])
                 else:
-                    vp = vq[page, h]
-                    r = s0
-                    while r < s1:
-                        r1 = min(s1, r + RC)
-                        widen_rows(vp, vst, r, r1, vt)
-                        pv(S[h], c + r - s0, vt, 0, r1 - r, acc[h])
-                        r = r1
+                    pv_int8(S[h], c, vq[page, h], vst, s0, s1, acc[h], vt)
             c += s1 - s0
             t += s1 - s0
         b0 = b1

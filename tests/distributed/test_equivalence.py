@@ -177,7 +177,9 @@ def test_configuration_errors():
         ShardedDecoder(workers=2, shard="rows", **args)
     with pytest.raises(ValueError, match="window: expected None with shard='context'"):
         ShardedDecoder(workers=2, shard="context", window=8, **args)
-    for bad in (dict(num_q_heads=3), dict(dtype="int8"), dict(page_size=0), dict(max_tokens=0)):
+    with pytest.raises(ValueError, match="dtype: expected float16, float32 or float64 for decode.distributed"):
+        ShardedDecoder(workers=2, shard="heads", **dict(args, dtype="int8"))
+    for bad in (dict(num_q_heads=3), dict(dtype="int16"), dict(page_size=0), dict(max_tokens=0)):
         single = error_of(lambda: Decoder(**dict(args, **bad)))
         assert single is not None and error_of(lambda: ShardedDecoder(2, "heads", **dict(args, **bad))) == single
 
@@ -193,3 +195,12 @@ def test_context_capacity_is_the_sum_of_the_workers_ranges():
         with pytest.raises(CacheFullError, match="context shards"):
             sharded.step(rng.standard_normal((4, 8)), rng.standard_normal((2, 8)), rng.standard_normal((2, 8)))
         assert sharded.worker_states() == states and sharded.length == 16
+
+
+def test_the_example_of_docs_distributed_runs():
+    import re
+    from pathlib import Path
+    doc = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert blocks and "pool.batch_step" in blocks[0], "docs/distributed.md lost its example"
+    exec(compile(blocks[0], str(doc), "exec"), {})
