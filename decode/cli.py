@@ -1,9 +1,11 @@
-"""The console command ``kvengine``: audit, memory, demo, bench.
+"""The console command ``kvengine``: audit, memory, demo, generate, bench.
 
     kvengine audit  --out DIR     reproduce the source document's figures (reference lab) and run the engine
                                   on its 3-token example; last line ATTENTION_AUDIT_OK when all checks pass
     kvengine memory [--json]      KV bytes: formula vs allocated vs used vs measured RSS, MHA / GQA / MQA
     kvengine demo                 a small random transformer decoding greedily through the engine
+    kvengine generate [--arch A]  a tiny random transformers model generating with DynamicCache + sdpa and with
+                                  PagedCache + pagedkv: tokens/s, token agreement, logit difference (hf extra)
     kvengine bench [--quick]      the pytest-benchmark suite
 """
 import argparse
@@ -83,6 +85,15 @@ def cmd_demo(args) -> int:
     return demo.main(args)
 
 
+def cmd_generate(args) -> int:
+    try:
+        from .hf import compare
+    except ImportError as exc:                       # torch / transformers missing
+        print(f"kvengine generate: needs the hf extra (pip install 'pagedkv[hf]'): {exc}", file=sys.stderr)
+        return 2
+    return compare.main(args)
+
+
 def cmd_bench(args) -> int:
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "pytest", str(root / "benchmarks"), "--benchmark-only"]
@@ -126,6 +137,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-bits", type=int, default=6, help="the draft model's weight bits")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="a tiny transformers model: DynamicCache+sdpa vs PagedCache+pagedkv")
+    p.add_argument("--arch", default="llama", choices=["llama", "gpt2", "mistral", "qwen2"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=2, help="rows (rows after the first are left-padded)")
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--model-dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--storage", default="float32", choices=["float16", "float32", "float64"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a report")
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="run the benchmark suite")
     p.add_argument("--quick", action="store_true", help="small shapes only")

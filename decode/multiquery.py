@@ -9,9 +9,9 @@ import numpy as np
 
 from .kernels import multiquery as _mq
 
-MIN_RUN = 2              # queries per run from which the tiled kernel is used
-TILE_ROWS = 64           # (query, q head) rows per tile: tokens per tile = max(1, TILE_ROWS // group)
-BLOCK = 64               # keys per score tile
+MIN_RUN = 3              # queries per run from which the tiled kernel is used (at 2 both kernels tie)
+TILE_ROWS = 128          # (query, q head) rows per tile: tokens per tile = max(1, TILE_ROWS // group)
+BLOCK = 128              # keys per score tile
 SERIAL_WORK = 1 << 20    # rows x visible keys x (head_dim + head_dim_v) below this: no threads
 MIN_SPLIT = 256          # key-range parts are never shorter than this
 

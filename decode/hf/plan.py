@@ -7,6 +7,7 @@ Shapes (named dimensions; B = batch rows, T = new columns of this forward, N = r
     key    [B, num_kv_heads, T, head_dim]     the *new* states only (PagedCache.update returns them as given)
     new_real  bool [B, T]                     True where the new column is a real token (False: padding)
 """
+import numba
 import numpy as np
 import torch
 
@@ -21,16 +22,20 @@ class ForwardPlan:
     pool : kvcache.KVCache       the shared pool
     seqs : list[int]             the pool sequence of each batch row
     new_real : bool [B, T]
+    token_ids : int [B, T] or None   the columns' token ids (prefix caching registers the real ones)
     """
 
-    def __init__(self, pool, seqs, new_real: np.ndarray):
+    def __init__(self, pool, seqs, new_real: np.ndarray, kernel_threads: int | None = 1, token_ids=None):
         self.pool = pool
+        self.kernel_threads = kernel_threads
         self.new_real = new_real
         batch, width = new_real.shape
         self.batch, self.width = batch, width
         counts = new_real.sum(axis=1, dtype=np.int64)                          # [B]
         starts = np.array([pool.length(s) for s in seqs], dtype=np.int64)      # pool length of each row
-        self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)})  # CacheFullError: nothing changed
+        ids = None if token_ids is None else {s: token_ids[b][new_real[b]] for b, s in enumerate(seqs)}
+        self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)}, token_ids=ids)  # CacheFullError:
+        # nothing changed
         try:
             self._tables(seqs, counts, starts)
         except BaseException:
@@ -75,10 +80,16 @@ class ForwardPlan:
             self.tx.write(layer, seq, k[start:stop], v[start:stop])
         self.layers_written += 1
         q = self._real_rows(query, compute)                                               # [N, Hq, D]
-        out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
-                                     self.page_indptr, self.query_seq, self.query_pos, scale=scale,
-                                     window=window, k_scales=self.pool.k_scales(layer),
-                                     v_scales=self.pool.v_scales(layer))                  # [N, Hq, Dv]
+        threads = numba.get_num_threads()
+        if self.kernel_threads is not None:
+            numba.set_num_threads(min(self.kernel_threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
+                                         self.page_indptr, self.query_seq, self.query_pos, scale=scale,
+                                         window=window, k_scales=self.pool.k_scales(layer),
+                                         v_scales=self.pool.v_scales(layer))              # [N, Hq, Dv]
+        finally:
+            numba.set_num_threads(threads)
         result = torch.from_numpy(out).to(query.dtype)
         b, t = self.batch, self.width
         if self.all_real:

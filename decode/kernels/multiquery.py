@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from .gemm import MR, gemm4
-from .simd import FAST, exp, ld
+from .simd import EXP_FLAGS, FAST, exp_inline, ld
 
 NEG = -3.0e38         # "no key yet" running max: finite (fastmath), below every admissible score
 
@@ -74,63 +74,68 @@ def _copy_block(pool, pages, h, b0, nb, dst):
             row[d] = 0.0
 
 
-@njit(cache=True, fastmath=FAST)
-def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, neg):
+@njit(cache=True, fastmath=EXP_FLAGS)
+def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi, neg):
     """Online softmax over the block's dot products ST[:nb, :Rp] (column r = row r of the tile, key b0 + j):
     scores = dots * sc (the scale applied after the dot, as a plain computation does), new running max m,
     alpha = exp(old max - new max), l = alpha * l + sum of weights, ST <- weights (exactly 0 where masked).
-    neg: NEG in the compute dtype."""
+    Every loop runs down the rows r (contiguous, no reduction across lanes) so that it vectorises: selects, not
+    max() or branches, and the exp inlined. jlo / jhi: int32 scratch [>= Rp] (row r sees block keys
+    jlo[r]..jhi[r]); neg: NEG in the compute dtype."""
     z = neg - neg
     for r in range(Rp):
         alpha[r] = m[r]
     if masked:
+        for r in range(Rp):
+            jlo[r] = max(-1, min(nb, rlo[r] - b0))
+            jhi[r] = max(-1, min(nb, rpos[r] - b0))
         for j in range(nb):
             row = ST[j]
-            kp = b0 + j
             for r in range(Rp):
-                ok = (kp >= rlo[r]) & (kp <= rpos[r])
                 x = row[r] * sc
                 row[r] = x
-                alpha[r] = max(alpha[r], x if ok else neg)
+                x = x if (j >= jlo[r]) & (j <= jhi[r]) else neg
+                a = alpha[r]
+                alpha[r] = x if x > a else a
     else:
         for j in range(nb):
             row = ST[j]
             for r in range(Rp):
                 x = row[r] * sc
                 row[r] = x
-                alpha[r] = max(alpha[r], x)
+                a = alpha[r]
+                alpha[r] = x if x > a else a
     for r in range(Rp):          # alpha holds the new max here
         mn = alpha[r]
-        a = exp(m[r] - mn)
+        a = exp_inline(m[r] - mn)
         m[r] = mn
         l[r] *= a
         alpha[r] = a
     if masked:
         for j in range(nb):
             row = ST[j]
-            kp = b0 + j
             for r in range(Rp):
-                ok = (kp >= rlo[r]) & (kp <= rpos[r])
-                p = exp(min(row[r] - m[r], z))     # masked entries may lie above a row's max
-                p = p if ok else z
+                d = row[r] - m[r]
+                p = exp_inline(d if d < z else z)      # masked entries may lie above a row's max
+                p = p if (j >= jlo[r]) & (j <= jhi[r]) else z
                 row[r] = p
                 l[r] += p
     else:
         for j in range(nb):
             row = ST[j]
             for r in range(Rp):
-                p = exp(row[r] - m[r])
+                p = exp_inline(row[r] - m[r])
                 row[r] = p
                 l[r] += p
 
 
 @njit(cache=True, fastmath=FAST)
 def attend_tile(q, k_pages, v_pages, pages, h, G, i0, pos0, nt, ka, kb, window, sc, block,
-                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, neg):
+                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg):
     """Unnormalised attention of one tile (queries i0..i0+nt-1 at positions pos0.., kv head h) over the keys in
     [ka, kb) of the sequence with page row `pages` (sc: the score scale in the compute dtype). Leaves m[R], l[R],
     O[R, :Dv] (R = nt * G; rows padded to the vector width are zero queries). Scratch: QT [D, >=Rp], Kb [>=block+3, D], Vb [>=block+3, Dvp] (columns
-    Dv..Dvp-1 zero), ST [>=block+3, >=Rp], O [>=Rp, Dvp], m / l / alpha / rpos / rlo [>=Rp]; neg: NEG in the compute dtype."""
+    Dv..Dvp-1 zero), ST [>=block+3, >=Rp], O [>=Rp, Dvp], m / l / alpha / rpos / rlo / jlo / jhi [>=Rp]; neg: NEG in the compute dtype."""
     D = q.shape[2]
     Dvp = Vb.shape[1]
     L = 8 if O.itemsize == 8 else 16
@@ -161,7 +166,7 @@ def attend_tile(q, k_pages, v_pages, pages, h, G, i0, pos0, nt, ka, kb, window, 
                 gemm4(Kb, D, 1, j, QT, c, ST, D, nv, 1)
                 c += nv * L
         masked = (b1 - 1 > rpos[0]) | (b0 < rlo[R - 1])
-        _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, neg)
+        _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi, neg)
         for r in range(Rp):
             a = alpha[r]
             if a != 1.0:
@@ -216,6 +221,8 @@ def mq_units(q, k_pages, v_pages, page_indices, page_indptr, runs, units, u0, u1
     alpha = np.empty(Rmax, dt)
     rpos = np.empty(Rmax, np.int64)
     rlo = np.empty(Rmax, np.int64)
+    jlo = np.empty(Rmax, np.int32)
+    jhi = np.empty(Rmax, np.int32)
     neg = np.full(1, NEG, dt)[0]
     sc = np.full(1, scale, dt)[0]        # the scale in the compute dtype
     for u in range(u0, u1):
@@ -228,7 +235,7 @@ def mq_units(q, k_pages, v_pages, page_indices, page_indptr, runs, units, u0, u1
         i0 = runs[run, 1] + t0
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         attend_tile(q, k_pages, v_pages, pages, h, G, i0, runs[run, 3] + t0, nt, units[u, 4], units[u, 5], window,
-                    sc, block, QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, neg)
+                    sc, block, QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg)
         if slot < 0:
             _store_tile(O, l, out, i0, nt, h, G)
         else:

@@ -383,3 +383,19 @@ if JIT:
         if x == types.float64:
             return lambda x: math.exp(x)
         return None
+
+
+def exp_inline(x):
+    """`exp`, inlined into the caller (numba IR) so that a loop calling it vectorises; the caller must compile
+    with EXP_FLAGS (no reassociation: it would undo the Cody-Waite split)."""
+    return exp(x)
+
+
+if JIT:
+    @overload(exp_inline, inline="always")
+    def _exp_inline_ov(x):
+        if x == types.float32:
+            return _expf_body
+        if x == types.float64:
+            return lambda x: math.exp(x)
+        return None

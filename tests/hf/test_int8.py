@@ -8,7 +8,7 @@ import torch
 from .models import generate, model_pair, paged_cache, prompts
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa", "llama-mha"])
+@pytest.mark.parametrize("arch", ["llama-gqa", pytest.param("llama-mha", marks=pytest.mark.slow)])
 def test_int8_cache_against_float32_cache(arch):
     _, model = model_pair(arch)
     ids, mask = prompts(1, 16, seed=3)
