@@ -26,7 +26,7 @@ from .walk import WalkCeiling
 
 def _step_cases(quick):
     if quick:
-        return [(Shape(8, kv, 32, 300, dt), p) for kv in (8, 2) for dt in ("float32", "float16") for p in (16, 64)]
+        return [(Shape(8, kv, 32, 300, dt), p) for kv in (8, 2) for dt, p in (("float32", 16), ("float16", 64))]
     return [(Shape(32, kv, 128, n, dt), p) for kv in (32, 8) for n in (4096, 32768) for dt in ("float32", "float16")
             for p in (16, 64)]
 

@@ -19,6 +19,7 @@ from kvcache.checks import as_float_array, cast_to_storage, check_int, check_sha
 
 from ._validate import check_magnitude, first_bad_input, magnitude_limits, overflow_limit
 from .attention import _paged_decode_attention_unchecked, plan_decode
+from .multiquery import RunsPlan
 
 # input dtypes the jitted check takes (numba types neither float16 nor long double nor byte-swapped arrays)
 _JIT_FLOATS = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
@@ -467,7 +468,7 @@ class DecoderTransaction:
         dec = self.decoders[0]
         plan = self._plans.get(len(q))
         if plan is None:
-            plan = self._plans[len(q)] = self._plan(q, query_pos)
+            plan = self._plans[len(q)] = self._plan(q, query_seq, query_pos)
         indices, indptr, decode_plan = plan
         out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
         if decode_plan is None:
@@ -479,9 +480,10 @@ class DecoderTransaction:
                             dec.scale, dec.window, out)
         return out
 
-    def _plan(self, q, query_pos) -> tuple:
-        """``(indices int32, indptr int64, DecodePlan or None)``: None where the wrapper decides per call (int8
-        pages, and runs of several queries of one sequence, which go to the tiled multi-query kernel)."""
+    def _plan(self, q, query_seq, query_pos) -> tuple:
+        """``(indices int32, indptr int64, plan)``: plan a DecodePlan (one query per sequence), a RunsPlan (the tiled multi-query
+        kernel's runs and partition) when every query is in a run of several queries of one sequence; None where
+        the wrapper decides per call (int8 pages, a mix of runs and single queries)."""
         dec = self.decoders[0]
         tables = [self._pages(i) for i in range(len(self.decoders))]
         size = self.cache.config.page_size
@@ -496,9 +498,12 @@ class DecoderTransaction:
             indptr = np.zeros(len(tables) + 1, dtype=np.int64)
             np.cumsum([len(t) for t in tables], out=indptr[1:])
         one_per_sequence = len(q) <= len(self.decoders) and max(self.counts) <= 1
-        if dec._k_scales[0] is not None or not one_per_sequence or not len(q):
+        if dec._k_scales[0] is not None or not len(q):
             return indices, indptr, None
-        return indices, indptr, plan_decode(query_pos, dec.window, q.shape, dec._v_pages[0])
+        if one_per_sequence:
+            return indices, indptr, plan_decode(query_pos, dec.window, q.shape, dec._v_pages[0])
+        runs = RunsPlan(query_seq, query_pos, dec.window, q.shape, dec._v_pages[0])
+        return indices, indptr, (runs if len(runs.rest) == 0 else None)
 
 
 def raise_released(cache: KVCache, seq: int, first: int, position: int):

@@ -14,12 +14,14 @@ pages) at a time and, inside each page, every kv head in turn, so a thread strea
 (the access pattern that read 52-55 GB/s with 2 threads where one head across all pages read 17-37 GB/s,
 shared/notes/measured-facts.md). Long ranges are cut into units of `split` tokens (flash-decoding) and merged.
 
-Scales: a chunk of <= 16 K rows of one kv head is widened to float32 with its group scales in one pass into an
-L1 scratch tile (each row group's scale applied once, then the tile is reused by all G query heads of the kv
-head through the float kernel's `qk` register blocks). V: with G < 4 query heads per kv head the V scale is
-folded into the softmax weight (p * scale per row group, the int8 values converted in the FMA loop); with
-G >= 4 the V chunk is widened once with its scales (one multiply per element instead of G) and the float
-kernel's `pv` accumulates it. Accumulation is float32, as for float16/float32 storage.
+Scales (G = query heads per kv head; a page tile's float16 scales are converted once, `scales_f32`):
+    K  G < 4:   `dot4_i8`   scores straight from the int8 rows, the group scale applied once per row group
+       G 4-7:   `dot44_i8`  4 heads x 4 rows, each row converted and scaled once for the 4 heads
+       G >= 8:  `widen_rows` + `qk`  a 16-row chunk widened once with its scales, reused by all G heads
+    V  G < 4:   `pv1_i8`    the V scale folded into the softmax weight (p * scale per row group)
+       G 4-7:   `pv4_i8`    4 heads x 32 lanes in registers, each value vector converted and scaled once
+       G >= 8:  `widen_rows` + `pv`
+Scores, softmax and accumulation are float32, as for float16/float32 storage.
 """
 import numpy as np
 from numba import njit, prange, types
@@ -43,12 +45,6 @@ def widen32(src, i, dst, j, s):
     dst[j:j + GROUP] = src[i:i + GROUP].astype(np.float32) * np.float32(s)
 
 
-def fold4(acc, j, vp, t, i, w0, w1, w2, w3):
-    """acc[j:j+32] += sum_r w_r * float32(vp[t + r, i:i+32]) over r < 4: acc 1-D float32, vp 2-D int8."""
-    rows = vp[t:t + 4, i:i + GROUP].astype(np.float32)
-    acc[j:j + GROUP] += (w0 * rows[0] + w1 * rows[1]) + (w2 * rows[2] + w3 * rows[3])
-
-
 def h2f_all(src, dst):
     """dst[:n] = float32(float16 bits of src) for every element of the C-contiguous 2-D uint16 src (n its size)."""
     n = src.size
@@ -64,6 +60,15 @@ def pv4_i8(S, g, c, vp, st, nsg, t0, t1, acc, ng):
         row = vp[t, :n].astype(np.float32) * np.repeat(st[t * nsg:t * nsg + ng], GROUP)
         for a in range(4):
             acc[g + a, :n] += S[g + a, c + t - t0] * row
+
+
+def pv1_i8(S, g, c, vp, st, nsg, t0, t1, acc, ng):
+    """acc[g, :ng*32] += sum_t (S[g, c + t - t0] * scale[t, d // 32]) * vp[t, :ng*32] over t in [t0, t1): the V
+    scale folded into the softmax weight, one head. Arguments as `pv4_i8`."""
+    n = ng * GROUP
+    for t in range(t0, t1):
+        w = np.repeat(S[g, c + t - t0] * st[t * nsg:t * nsg + ng], GROUP)
+        acc[g, :n] += w * vp[t, :n].astype(np.float32)
 
 
 def dot44_i8(qs, g, kp, t, st, nsg, ng):
@@ -122,29 +127,6 @@ if JIT:
             return context.get_dummy_value()
 
         return types.void(src, i, dst, j, s), codegen
-
-    @intrinsic
-    def _fold4(typingctx, acc, j, vp, t, i, w0, w1, w2, w3):
-        if not (_is(acc, types.float32, 1) and _is(vp, types.int8, 2)
-                and all(w == types.float32 for w in (w0, w1, w2, w3))):
-            return None
-
-        def codegen(context, builder, sig, args):
-            a = context.make_array(sig.args[0])(context, builder, args[0])
-            v = context.make_array(sig.args[2])(context, builder, args[2])
-            cols = _cg.unpack_tuple(builder, v.shape, 2)[1]
-            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
-                                             "llvm.fma.v32f32")
-            ptr = builder.bitcast(builder.gep(a.data, [args[1]]), _VF.as_pointer())
-            total = builder.load(ptr, align=4)
-            for r in range(4):
-                row = builder.add(args[3], _ir.Constant(args[3].type, r))
-                x = _load_i8(builder, builder.gep(v.data, [builder.add(builder.mul(row, cols), args[4])]))
-                total = builder.call(fma, [x, _splat(builder, args[5 + r]), total])
-            builder.store(total, ptr, align=4)
-            return context.get_dummy_value()
-
-        return types.void(acc, j, vp, t, i, w0, w1, w2, w3), codegen
 
     _V16H = _ir.VectorType(_ir.IntType(16), 16)
     _V16F = _ir.VectorType(_ir.FloatType(), 16)
@@ -218,6 +200,48 @@ if JIT:
             return context.get_dummy_value()
 
         return types.void(S, g, c, vp, st, nsg, t0, t1, acc, ng), codegen
+
+    @intrinsic
+    def _pv1_i8(typingctx, S, g, c, vp, st, nsg, t0, t1, acc, ng):
+        if not (_is(S, types.float32, 2) and _is(vp, types.int8, 2) and _is(st, types.float32, 1)
+                and _is(acc, types.float32, 2)
+                and all(isinstance(x, types.Integer) for x in (g, c, nsg, t0, t1, ng))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            """Per 32-lane group: the accumulator in registers over all rows; per row one scalar weight
+            p * scale and one FMA per 16 lanes on the converted int8 values."""
+            i64 = _ir.IntType(64)
+            sa = context.make_array(sig.args[0])(context, builder, args[0])
+            va = context.make_array(sig.args[3])(context, builder, args[3])
+            ta = context.make_array(sig.args[4])(context, builder, args[4])
+            aa = context.make_array(sig.args[8])(context, builder, args[8])
+            g_, c_, nsg_, t0_, t1_, ng_ = (context.cast(builder, args[i], sig.args[i], types.int64)
+                                           for i in (1, 2, 5, 6, 7, 9))
+            scols = _cg.unpack_tuple(builder, sa.shape, 2)[1]
+            vcols = _cg.unpack_tuple(builder, va.shape, 2)[1]
+            acols = _cg.unpack_tuple(builder, aa.shape, 2)[1]
+            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
+                                             "llvm.fma.v32f32")
+            srow = builder.gep(sa.data, [builder.sub(builder.add(builder.mul(g_, scols), c_), t0_)])
+            slot = _cg.alloca_once(builder, _VF)
+            with _cg.for_range_slice(builder, _ir.Constant(i64, 0), ng_, _ir.Constant(i64, 1)) as (grp, _):
+                d = builder.mul(grp, _ir.Constant(i64, GROUP))
+                ap = builder.bitcast(builder.gep(aa.data, [builder.add(builder.mul(g_, acols), d)]), _VF.as_pointer())
+                builder.store(builder.load(ap, align=4), slot)
+                with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(i64, 1)) as (t, _):
+                    x = _load_i8(builder, builder.gep(va.data, [builder.add(builder.mul(t, vcols), d)]))
+                    scale = builder.load(builder.gep(ta.data, [builder.add(builder.mul(t, nsg_), grp)]))
+                    w = builder.fmul(builder.load(builder.gep(srow, [t])), scale)
+                    builder.store(builder.call(fma, [_splat(builder, w), x, builder.load(slot)]), slot)
+                builder.store(builder.load(slot), ap, align=4)
+            return context.get_dummy_value()
+
+        return types.void(S, g, c, vp, st, nsg, t0, t1, acc, ng), codegen
+
+    @overload(pv1_i8)
+    def _pv1_i8_ov(S, g, c, vp, st, nsg, t0, t1, acc, ng):
+        return lambda S, g, c, vp, st, nsg, t0, t1, acc, ng: _pv1_i8(S, g, c, vp, st, nsg, t0, t1, acc, ng)
 
     @overload(pv4_i8)
     def _pv4_i8_ov(S, g, c, vp, st, nsg, t0, t1, acc, ng):
@@ -345,10 +369,6 @@ if JIT:
     def _widen32_ov(src, i, dst, j, s):
         return lambda src, i, dst, j, s: _widen32(src, i, dst, j, s)
 
-    @overload(fold4)
-    def _fold4_ov(acc, j, vp, t, i, w0, w1, w2, w3):
-        return lambda acc, j, vp, t, i, w0, w1, w2, w3: _fold4(acc, j, vp, t, i, w0, w1, w2, w3)
-
 
 @njit(cache=True, fastmath=FAST)
 def scales_f32(scales, st):
@@ -381,7 +401,8 @@ def widen_rows(src, st, r0, r1, dst):
 def pv_folded(S, c0, vp, st, s0, s1, acc):
     """acc[g, d] += sum_t (S[g, c0 + t - s0] * scale[t, d // 32]) * vp[t, d] for t in [s0, s1): the V scale folded
     into the softmax weight (one multiply per row group), the int8 values converted inside the FMA pass
-    (`fold4`: 4 rows per accumulator load). S [G, block] float32, vp [page_size, Dv] int8, st the page tile's
+    (`pv1_i8`: each 32-lane group's accumulator in registers over all the rows). S [G, block] float32,
+    vp [page_size, Dv] int8, st the page tile's
     scales (`scales_f32`), acc [G, Dv] float32."""
     G = acc.shape[0]
     Dv = acc.shape[1]
@@ -390,23 +411,8 @@ def pv_folded(S, c0, vp, st, s0, s1, acc):
     for g in range(G):
         ag = acc[g]
         w = S[g]
-        t = s0
-        c = c0
-        while t + 4 <= s1:
-            b = t * NG
-            for k in range(full):
-                fold4(ag, k * GROUP, vp, t, k * GROUP, w[c] * st[b + k], w[c + 1] * st[b + NG + k],
-                      w[c + 2] * st[b + 2 * NG + k], w[c + 3] * st[b + 3 * NG + k])
-            t += 4
-            c += 4
-        while t < s1:
-            row = vp[t]
-            for k in range(full):
-                w0 = w[c] * st[t * NG + k]
-                for d in range(k * GROUP, k * GROUP + GROUP):
-                    ag[d] += w0 * np.float32(row[d])
-            t += 1
-            c += 1
+        if full > 0:
+            pv1_i8(S, g, c0, vp, st, NG, s0, s1, acc, full)
         if full * GROUP < Dv:                            # a short last group
             for t in range(s0, s1):
                 w0 = w[c0 + t - s0] * st[t * NG + full]
