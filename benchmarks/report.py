@@ -330,6 +330,27 @@ def batch_section(res: Results) -> str:
                   "batch_step % roofline"], out)
 
 
+def multiquery_section(res: Results) -> str:
+    """Prefill / extend (benchmarks/test_multiquery.py): engine vs torch SDPA, and the alternated ratios."""
+    rows = defaultdict(dict)
+    for r in res.rows:
+        if r["group"].startswith("multiquery"):
+            rows[r["extra"]["shape"]][r["extra"]["impl"]] = r
+    out = []
+    for shape, impls in rows.items():
+        eng, tor = impls.get("engine_extend"), impls.get("torch_sdpa")
+        e = (eng or tor)["extra"]
+        m = res.metrics(eng) if eng else {}
+        alt = eng["extra"] if eng else {}
+        out.append([shape, fmt_time(eng and eng["median"]), fmt_time(tor and tor["median"]),
+                    ratio(tor and tor["median"], eng and eng["median"]),
+                    f"{m['gflops']:.0f}" if m else "—", pct(m["frac_mm"]) if m else "—",
+                    f"{alt['alt_speedup_vs_torch']:.2f}x" if "alt_speedup_vs_torch" in alt else "—",
+                    pct(alt["alt_frac_matmul"]) if "alt_frac_matmul" in alt else "—", (tor or eng)["extra"].get("mask", "")])
+    return table(["shape", "engine (Decoder.extend)", "torch SDPA", "speed-up", "engine GFLOP/s", "of matmul",
+                  "alternated speed-up", "alternated of matmul", "torch mask"], out)
+
+
 def page_section(res: Results) -> str:
     rows = []
     for r in res.rows:
@@ -672,6 +693,10 @@ def render(res: Results, memory_rows=None, results_path: Path | None = None, doc
         "### Page size",
         "",
         page_section(res),
+        "",
+        "## Prefill and extend (tiled multi-query kernel) vs torch SDPA",
+        "",
+        multiquery_section(res),
         "",
     ]
     if memory_rows:

@@ -173,3 +173,54 @@ def test_multiquery(benchmark, ceilings, quick, warm_engine, mq_case):
     common.record(benchmark, ceil, prob.kv_bytes, prob.flops, impl=impl, op="prefill" if prob.start == 0 else "extend",
                   start=prob.start, tokens=prob.T, keys_attended=prob.keys, num_q_heads=prob.hq,
                   num_kv_heads=prob.hkv, head_dim=prob.d, dtype=prob.dtype, shape=label(c), rounds=rounds, **extra)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("impl", ["batch_extend", "extend_loop"])
+def test_batch_extend(benchmark, ceilings, quick, warm_engine, impl):
+    """Batched prefill: 4 sequences of one pool with 64 / 128 / 256 / 512 new tokens (quick: 4 / 8 / 16 / 32)
+    after 256 cached tokens each, GQA 32/8 d128 (quick 8/2 d32) float16: one `batch_extend` call vs a loop of
+    `Decoder.extend` over the same decoders (the setup truncates back, untimed)."""
+    from decode import Decoder, batch_extend
+    from kvcache import KVCache
+
+    hq, hkv, d = (8, 2, 32) if quick else (32, 8, 128)
+    counts = [4, 8, 16, 32] if quick else [64, 128, 256, 512]
+    start = 32 if quick else 256
+    rng = np.random.default_rng(9)
+    cache = KVCache(num_kv_heads=hkv, head_dim=d, dtype="float16", page_size=16,
+                    max_tokens=sum(start + n for n in counts) + 16 * len(counts))
+    decs = [Decoder.on_cache(cache, hq) for _ in counts]
+    for dec in decs:
+        kv = rng.standard_normal((start, hkv, d), dtype=np.float32)
+        dec.append(kv, kv)
+    qs = [rng.standard_normal((n, hq, d), dtype=np.float32) for n in counts]
+    ks = [rng.standard_normal((n, hkv, d), dtype=np.float32) for n in counts]
+
+    def setup():
+        for dec in decs:
+            if dec.length != start:
+                dec.truncate(start)
+        return (), {}
+
+    def batched():
+        return batch_extend(decs, qs, ks, ks)
+
+    def loop():
+        return [dec.extend(q, k, k) for dec, q, k in zip(decs, qs, ks)]
+
+    fn = batched if impl == "batch_extend" else loop
+    setup()
+    first = fn()
+    setup()
+    other = (loop if fn is batched else batched)()
+    for a, b in zip(first, other):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    per_call = common.time_calls(lambda: (setup(), fn()), [()])
+    rounds = 1 if quick else common.choose_rounds(per_call, budget=1.5, minimum=5, maximum=200)
+    benchmark.group = "multiquery batch_extend"
+    common.pedantic(benchmark, fn, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
+    keys = sum(n * start + n * (n + 1) // 2 for n in counts)
+    common.record(benchmark, ceilings, 2 * sum(start + n for n in counts) * hkv * d * 2, 4 * hq * d * keys,
+                  impl=impl, op="batch_extend", counts=counts, start=start, num_q_heads=hq, num_kv_heads=hkv,
+                  head_dim=d, dtype="float16", rounds=rounds)

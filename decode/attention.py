@@ -41,7 +41,7 @@ MIN_SPLIT_WORK = 1 << 20     # a flash-decoding split holds at least this much w
                              # (head_dim + head_dim_v)), then rounded up to whole blocks
 UNITS_PER_THREAD = 2         # a query's key range is cut into about this many units per thread (load balance)
 BLOCK_TOKENS = 64            # keys per online-softmax block (rounded down to whole pages, at least one page)
-PREFETCH_BYTES = 8192        # software prefetch distance along the walk of K and V runs
+PREFETCH_BYTES = 4096        # software prefetch distance along the walk of K and V runs (docs/kernel.md)
 INT8_MIN_SPLIT_TOKENS = 256  # the int8 kernel's shortest key-range split
 
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf

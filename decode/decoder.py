@@ -18,7 +18,8 @@ from kvcache import KVCache
 from kvcache.checks import as_float_array, cast_to_storage, check_int, check_shape
 
 from ._validate import check_magnitude, first_bad_input, magnitude_limits, overflow_limit
-from .attention import _paged_decode_attention_unchecked
+from .attention import _paged_decode_attention_unchecked, plan_decode
+from .multiquery import RunsPlan
 
 # input dtypes the jitted check takes (numba types neither float16 nor long double nor byte-swapped arrays)
 _JIT_FLOATS = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
@@ -107,9 +108,8 @@ class Decoder:
         self._k_shape = (cfg.num_kv_heads, cfg.head_dim)
         self._v_shape = (cfg.num_kv_heads, cfg.head_dim_v)
         self._query_seq1 = np.zeros(1, dtype=np.int32)          # kernel arguments of `step`, reused
-        self._indptr = np.zeros(2, dtype=np.int64)
-        self._qpos = np.zeros(1, dtype=np.int64)
         self._out_shape1 = (1, num_q_heads, cfg.head_dim_v)
+        self._q_plan_shape = (1, num_q_heads, cfg.head_dim)
         self._k_pages = [cache.k_pages(layer) for layer in range(cfg.num_layers)]   # views; the pool never moves
         self._v_pages = [cache.v_pages(layer) for layer in range(cfg.num_layers)]
         self._k_scales = [cache.k_scales(layer) for layer in range(cfg.num_layers)]   # int8 only, else None
@@ -143,7 +143,7 @@ class Decoder:
         q, k, v = self._check_token(q, k, v)
         token = self.cache.begin_token(self.seq, token_id=token_ids)
         try:
-            out = self._attend_token(token, 0, q, k, v)
+            out = self._attend_token(token, 0, q, k, v)[0]
             token.commit()
         except BaseException:
             token.rollback()
@@ -158,15 +158,19 @@ class Decoder:
         Query i sits at position ``start + i`` (start = `length` before the call) and reads keys ``<= start + i``.
         ``token_ids [T]`` (optional): the tokens' ids, for prefix caching."""
         self._single_layer("extend")
-        with self.transaction(self._num_tokens(k), token_ids=token_ids) as tx:
-            return tx.extend(0, q, k, v)
+        count = self._num_tokens(k)
+        checked = check_tokens([self], [count], q, k, v)              # every input checked before any reservation
+        with self.transaction(count, token_ids=token_ids) as tx:
+            return tx.extend(0, *checked, checked=True)
 
     def append(self, k, v, *, token_ids=None) -> None:
         """Append T tokens of K/V with no query (a prefill computed elsewhere): ``k [T, num_kv_heads, head_dim]``;
         ``token_ids [T]`` (optional) for prefix caching."""
         self._single_layer("append")
-        with self.transaction(self._num_tokens(k), token_ids=token_ids) as tx:
-            tx.append(0, k, v)
+        count = self._num_tokens(k)
+        _, k, v = check_tokens([self], [count], None, k, v)          # checked before any reservation
+        with self.transaction(count, token_ids=token_ids) as tx:
+            tx.append(0, k, v, checked=True)
 
     # -- all layers ---------------------------------------------------------------------------------------
     def transaction(self, num_tokens: int = 1, *, token_ids=None) -> "DecoderTransaction":
@@ -216,21 +220,37 @@ class Decoder:
         except Exception:
             pass
 
-    def _attend_token(self, token, layer: int, q, k, v) -> np.ndarray:
+    def _attend_token(self, token, layer: int, q, k, v, plan=None) -> tuple[np.ndarray, tuple]:
         """Write one token's checked ``k``/``v`` into ``token``'s slot (`kvcache.TokenWrite`) in ``layer`` and
-        attend with ``q [num_q_heads, head_dim]`` over positions ``.. token.position`` -> ``[num_q_heads, head_dim_v]``."""
+        attend with ``q [num_q_heads, head_dim]`` over positions ``.. token.position``.
+        Returns ``(out [num_q_heads, head_dim_v], plan)``; ``plan`` (`_token_plan`) is computed on the first layer
+        of a token and passed back in for the others."""
         token.write(layer, k, v)
+        if plan is None:
+            plan = self._token_plan(token)
+        indices, indptr, qpos, decode_plan = plan
+        out = np.empty(self._out_shape1, dtype=self.q_dtype)
+        if decode_plan is None:                                   # int8 pages: their own kernel entry
+            _paged_decode_attention_unchecked(q[None], self._k_pages[layer], self._v_pages[layer], indices, indptr,
+                                              self._query_seq1, qpos, self.scale, self.window, out,
+                                              k_scales=self._k_scales[layer], v_scales=self._v_scales[layer])
+        else:
+            decode_plan.run(q[None], self._k_pages[layer], self._v_pages[layer], indices, indptr, self._query_seq1,
+                            qpos, self.scale, self.window, out)
+        return out[0], plan
+
+    def _token_plan(self, token) -> tuple:
+        """What every layer of one token shares: ``(page table int32, indptr int64 [2], position int64 [1],
+        DecodePlan or None for int8)``, checked once (no released page is visible)."""
         indices, position = token.pages(), token.position
         first = max(0, position - self.window + 1) if self.window else 0
         if indices[first // self.config.page_size] < 0:
             raise_released(self.cache, self.seq, first, position)
-        self._indptr[1] = len(indices)
-        self._qpos[0] = position
-        out = np.empty(self._out_shape1, dtype=self.q_dtype)
-        _paged_decode_attention_unchecked(q[None], self._k_pages[layer], self._v_pages[layer], indices, self._indptr,
-                                          self._query_seq1, self._qpos, self.scale, self.window, out,
-                                          k_scales=self._k_scales[layer], v_scales=self._v_scales[layer])
-        return out[0]
+        indptr = np.array([0, len(indices)], dtype=np.int64)
+        qpos = np.array([position], dtype=np.int64)
+        if self._k_scales[0] is not None:
+            return indices, indptr, qpos, None
+        return indices, indptr, qpos, plan_decode(qpos, self.window, self._q_plan_shape, self._v_pages[0])
 
     # -- checks -------------------------------------------------------------------------------------------
     def _single_layer(self, what: str) -> None:
@@ -303,18 +323,25 @@ class DecoderTransaction:
     """Tokens of one or more decoders (one pool) being written layer by layer; see `Decoder.transaction`.
 
     One token of one decoder goes through the cache's lean single-token path (`KVCache.begin_token`);
-    anything larger through a general `kvcache.Transaction`."""
+    anything larger through a general `kvcache.Transaction`. The slots are reserved when the transaction opens
+    (from then on it owns its sequences: no truncate / fork / free / other transaction in between), before any
+    layer's input exists; each per-layer call validates its input before it writes. The single-layer calls
+    (`Decoder.step` / `extend` / `append`, `batch_extend`, `batch_step`) validate everything before they open
+    one. What every layer shares (page tables, positions, the kernel's work partition) is computed by the first
+    layer that attends and reused by the others."""
 
     def __init__(self, decoders: list[Decoder], num_tokens: dict[int, int], token_ids: dict | None = None):
         self.decoders = decoders
-        self.cache = cache = decoders[0].cache
+        self.cache = decoders[0].cache
         self.num_tokens = num_tokens
         self._single_token = len(decoders) == 1 and num_tokens[decoders[0].seq] == 1
-        if self._single_token:
-            self._tx = cache.begin_token(decoders[0].seq, token_id=(token_ids or {}).get(decoders[0].seq))
+        self._plans = {}                # number of queries -> (indices, indptr, DecodePlan or None), see `_attend`
+        self._token_plan = None         # the one-token path's `Decoder._token_plan`
+        if self._single_token:          # reserve (CacheFullError and bad ids leave everything as it was)
+            self._tx = self.cache.begin_token(decoders[0].seq, token_id=(token_ids or {}).get(decoders[0].seq))
             self.start = [self._tx.position]
         else:
-            self._tx = cache.transaction(num_tokens, token_ids=token_ids)
+            self._tx = self.cache.transaction(num_tokens, token_ids=token_ids)
             self.start = [self._tx.start[d.seq] for d in decoders]
         self._open = True
 
@@ -400,12 +427,15 @@ class DecoderTransaction:
 
     def _step_one(self, layer, q, k, v) -> np.ndarray:
         dec = self.decoders[0]
-        return dec._attend_token(self._tx, layer, *dec._check_token(q, k, v))
+        q, k, v = dec._check_token(q, k, v)
+        out, self._token_plan = dec._attend_token(self._tx, layer, q, k, v, self._token_plan)
+        return out
 
-    def _step_batch(self, layer, q, k, v) -> np.ndarray:
+    def _step_batch(self, layer, q, k, v, checked: bool = False) -> np.ndarray:
         count = len(self.decoders)
-        q = self.decoders[0].check_query(q, count)
-        k, v = self.decoders[0].check_kv(k, v, count)                   # [B, H, D]: one token per sequence
+        if not checked:
+            q = self.decoders[0].check_query(q, count)
+            k, v = self.decoders[0].check_kv(k, v, count)               # [B, H, D]: one token per sequence
         for i in range(count):
             self._write(layer, i, k[i:i + 1], v[i:i + 1])
         return self._attend(layer, q, np.arange(count, dtype=np.int32), np.array(self.start, dtype=np.int64))
@@ -433,7 +463,27 @@ class DecoderTransaction:
         return self._tx.pages() if self._single_token else self._tx.pages(self.decoders[index].seq)
 
     def _attend(self, layer, q, query_seq, query_pos) -> np.ndarray:
-        """One kernel call: ``q [num_queries, num_q_heads, head_dim]`` over the decoders' page tables."""
+        """One kernel call: ``q [num_queries, num_q_heads, head_dim]`` over the decoders' page tables. The tables
+        (checked: no released page visible) and the work partition are made on the first layer and reused."""
+        dec = self.decoders[0]
+        plan = self._plans.get(len(q))
+        if plan is None:
+            plan = self._plans[len(q)] = self._plan(q, query_seq, query_pos)
+        indices, indptr, decode_plan = plan
+        out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
+        if decode_plan is None:
+            _paged_decode_attention_unchecked(q, dec._k_pages[layer], dec._v_pages[layer], indices, indptr,
+                                              query_seq, query_pos, dec.scale, dec.window, out,
+                                              k_scales=dec._k_scales[layer], v_scales=dec._v_scales[layer])
+        else:
+            decode_plan.run(q, dec._k_pages[layer], dec._v_pages[layer], indices, indptr, query_seq, query_pos,
+                            dec.scale, dec.window, out)
+        return out
+
+    def _plan(self, q, query_seq, query_pos) -> tuple:
+        """``(indices int32, indptr int64, plan)``: plan a DecodePlan (one query per sequence), a RunsPlan (the tiled multi-query
+        kernel's runs and partition) when every query is in a run of several queries of one sequence; None where
+        the wrapper decides per call (int8 pages, a mix of runs and single queries)."""
         dec = self.decoders[0]
         tables = [self._pages(i) for i in range(len(self.decoders))]
         size = self.cache.config.page_size
@@ -447,11 +497,13 @@ class DecoderTransaction:
             indices = np.concatenate(tables)
             indptr = np.zeros(len(tables) + 1, dtype=np.int64)
             np.cumsum([len(t) for t in tables], out=indptr[1:])
-        out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
-        _paged_decode_attention_unchecked(q, dec._k_pages[layer], dec._v_pages[layer], indices, indptr,
-                                          query_seq, query_pos, dec.scale, dec.window, out,
-                                          k_scales=dec._k_scales[layer], v_scales=dec._v_scales[layer])
-        return out
+        one_per_sequence = len(q) <= len(self.decoders) and max(self.counts) <= 1
+        if dec._k_scales[0] is not None or not len(q):
+            return indices, indptr, None
+        if one_per_sequence:
+            return indices, indptr, plan_decode(query_pos, dec.window, q.shape, dec._v_pages[0])
+        runs = RunsPlan(query_seq, query_pos, dec.window, q.shape, dec._v_pages[0])
+        return indices, indptr, (runs if len(runs.rest) == 0 else None)
 
 
 def raise_released(cache: KVCache, seq: int, first: int, position: int):
@@ -600,8 +652,9 @@ def batch_step(decoders, q, k, v, *, token_ids=None) -> np.ndarray:
     ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``, ``v [B, num_kv_heads, head_dim_v]``
     -> ``[B, num_q_heads, head_dim_v]``; row b is decoder b's query at its own position (lengths may differ).
     """
-    decoders = list(decoders)
-    if decoders and isinstance(decoders[0], Decoder):
-        decoders[0]._single_layer("batch_step")
+    decoders = _check_decoders(decoders)
+    decoders[0]._single_layer("batch_step")
+    q = decoders[0].check_query(q, len(decoders))                   # everything checked before any reservation
+    k, v = decoders[0].check_kv(k, v, len(decoders))
     with batch_transaction(decoders, token_ids=token_ids) as tx:
-        return tx.step(0, q, k, v)
+        return tx._guard(lambda: tx._step_batch(0, q, k, v, checked=True))

@@ -597,8 +597,15 @@ class KVCache:
             config=self.config, prefix_caching=index is not None, namespace=self.namespace, salt=self._salt,
             next_id=self._next_id, free_list=list(alloc.free_list()), ref_counts=list(alloc.ref_counts()),
             eviction_order=index.eviction_order() if index is not None else [], used_pages=used,
-            pools={name: array[:, used] for name, array in self._named_arrays().items()}, sequences=seqs,
+            pools={name: self._pages_of(array, used) for name, array in self._named_arrays().items()}, sequences=seqs,
             entries=entry_states)
+
+    @staticmethod
+    def _pages_of(array: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """``array[:, pages]``; a view when ``pages`` is ``0 .. n - 1`` (no copy of a full pool)."""
+        if len(pages) and pages[0] == 0 and pages[-1] == len(pages) - 1:
+            return array[:, : len(pages)]
+        return array[:, pages]
 
     def _named_arrays(self) -> dict[str, np.ndarray]:
         """The page arrays by snapshot tensor name: k, v (int8: k_scales, v_scales too)."""
@@ -607,8 +614,13 @@ class KVCache:
 
     def _restore(self, state: "snapshot.CacheState") -> None:
         """Set this fresh cache to a validated ``state``."""
+        used = state.used_pages
+        contiguous = len(used) and used[0] == 0 and used[-1] == len(used) - 1
         for name, array in self._named_arrays().items():
-            array[:, state.used_pages] = state.pools[name]
+            if contiguous:
+                array[:, : len(used)] = state.pools[name]
+            else:
+                array[:, used] = state.pools[name]
         self._salt, self._next_id = state.salt, state.next_id
         self.allocator.restore(state.free_list, state.ref_counts, set(state.eviction_order))
         entries = []

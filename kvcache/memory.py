@@ -102,7 +102,8 @@ def cache_memory(cache: KVCache) -> dict:
                                transactions) x bytes per page
     ``tail_waste_bytes``       ``used_bytes - formula_bytes``: slots of used pages that hold no token (mostly
                                the unfilled end of each sequence's last page; also reserved, uncommitted slots)
-    ``free_bytes``             ``allocated_bytes - used_bytes``
+    ``cached_bytes``           prefix caching: registered pages no sequence holds (kept for reuse, evictable)
+    ``free_bytes``             ``allocated_bytes - used_bytes - cached_bytes``
     ``metadata_bytes``         estimate of the bookkeeping: page tables, ref counts, free list, sequence records
                                (``sys.getsizeof`` of the containers and ``nbytes`` of the arrays; the int
                                objects in Python lists are not counted separately)
@@ -124,10 +125,11 @@ def cache_memory(cache: KVCache) -> dict:
                 page_fill[page] = max(page_fill.get(page, 0), fill)
             page_tables += sys.getsizeof(s) + s.table.nbytes + sys.getsizeof(s.held)
         pages_free = alloc.num_free_pages
+        pages_cached = alloc.num_parked
         ref_counts = sys.getsizeof(alloc._refs)
         free_list = sys.getsizeof(alloc._free)
         registry = sys.getsizeof(cache._sequences)
-    pages_used = cfg.num_pages - pages_free
+    pages_used = cfg.num_pages - pages_free - pages_cached
     distinct_tokens = sum(page_fill.values())
     formula = distinct_tokens * cfg.bytes_per_token
     used = pages_used * cfg.bytes_per_page
@@ -140,12 +142,14 @@ def cache_memory(cache: KVCache) -> dict:
         "num_pages": cfg.num_pages,
         "pages_used": pages_used,
         "pages_free": pages_free,
+        "pages_cached": pages_cached,
         "formula_bytes": formula,
         "formula_bytes_logical": logical_tokens * cfg.bytes_per_token,
         "allocated_bytes": allocated,
         "used_bytes": used,
         "tail_waste_bytes": used - formula,
-        "free_bytes": allocated - used,
+        "cached_bytes": pages_cached * cfg.bytes_per_page,
+        "free_bytes": allocated - used - pages_cached * cfg.bytes_per_page,
         "metadata_bytes": page_tables + ref_counts + free_list + registry,
         "metadata_detail": {"page_tables": page_tables, "ref_counts": ref_counts, "free_list": free_list,
                             "sequence_registry": registry},

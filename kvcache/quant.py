@@ -56,10 +56,13 @@ def _grouped(x: np.ndarray) -> np.ndarray:
 def scales_for(x: np.ndarray) -> np.ndarray:
     """float16 ``[..., num_groups]``: each group's ``max|x| / 127`` rounded up to a float16 (finite input with
     ``max|x| <= MAX_ABS`` assumed: see `check_quantizable`)."""
-    exact = np.abs(_grouped(x)).max(axis=-1) / QMAX                     # [..., num_groups] float64
+    peak = np.abs(_grouped(x)).max(axis=-1)                             # [..., num_groups] float64
+    exact = peak / QMAX
     with np.errstate(over="ignore"):
         scale = exact.astype(SCALE_DTYPE)
-    low = scale.astype(np.float64) < exact
+    # rounded up; a tiny nonzero group whose max / 127 underflows float64 (5e-324 / 127 == 0) still gets the
+    # smallest float16 scale, so that no element is further than scale / 2 from its input
+    low = (scale.astype(np.float64) < exact) | ((scale == 0) & (peak > 0))
     if low.any():
         scale[low] = np.nextafter(scale[low], SCALE_DTYPE.type(np.inf))
     return scale

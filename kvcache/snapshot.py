@@ -118,30 +118,34 @@ def read(path, expected_config: CacheConfig | None = None) -> CacheState:
 
 
 def _read_file(path) -> tuple[dict, dict]:
-    from safetensors.numpy import load
+    """Header checks (length, JSON, the data it announces present), then the tensors through safetensors'
+    memory map (one copy into numpy arrays)."""
+    from safetensors import safe_open
     with open(path, "rb") as f:                       # a missing file: FileNotFoundError, as for any open
-        data = f.read()
-    if len(data) < 8:
-        raise SnapshotTruncatedError(path, f"{len(data)} bytes, shorter than the 8-byte header length")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len > len(data) - 8:
-        raise SnapshotTruncatedError(path, f"header of {header_len} bytes announced, {len(data) - 8} present")
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise SnapshotTruncatedError(path, f"{size} bytes, shorter than the 8-byte header length")
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > size - 8:
+            raise SnapshotTruncatedError(path, f"header of {header_len} bytes announced, {size - 8} present")
+        raw_header = f.read(header_len)
     try:
-        header = json.loads(data[8:8 + header_len])
+        header = json.loads(raw_header)
         metadata = header.get("__metadata__") or {}
         ends = [int(info["data_offsets"][1]) for name, info in header.items() if name != "__metadata__"]
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         raise SnapshotCorruptError(path, f"header is not valid safetensors JSON ({exc})") from exc
-    body = len(data) - 8 - header_len
+    body = size - 8 - header_len
     if ends and max(ends) > body:
         raise SnapshotTruncatedError(path, f"tensor data ends at byte {max(ends)} of the data section, "
                                            f"only {body} bytes present")
-    try:
-        tensors = load(data)
-    except Exception as exc:                         # safetensors' own errors (offsets, dtype, alignment)
-        raise SnapshotCorruptError(path, f"tensors cannot be parsed ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise SnapshotCorruptError(path, "metadata: expected a string -> string map")
+    try:
+        with safe_open(os.fspath(path), framework="np") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:                         # safetensors' own errors (offsets, dtype, alignment)
+        raise SnapshotCorruptError(path, f"tensors cannot be parsed ({type(exc).__name__}: {exc})") from exc
     return tensors, metadata
 
 

@@ -2,8 +2,19 @@
 
 --reduced-grid   smaller parameter grids (used by the NUMBA_DISABLE_JIT / NUMBA_BOUNDSCHECK passes)
 --run-slow       also run tests marked `slow` (the long forms of the reliability suite)
+
+Hypothesis: under CI (CI=true) the examples are derandomized (a fixed seed per test), so that a CI run is
+reproducible and a rare draw cannot fail one submission and pass the next; locally every run draws anew and
+saves failures in .hypothesis/ (HYPOTHESIS_PROFILE=ci reproduces CI's draws).
 """
+import os
+
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 def pytest_addoption(parser):

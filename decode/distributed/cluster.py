@@ -73,9 +73,6 @@ class ShardServer:
                 return CommitFailure(e)
         return self.call(method, *args)
 
-    def threads(self) -> int:
-        return numba.get_num_threads()
-
 
 _Actor = ray.remote(max_restarts=0, max_task_retries=0)(ShardServer)
 
@@ -199,8 +196,12 @@ class Cluster:
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def kill(self, i: int) -> None:
-        """Kill worker i now (tests; the next call reports it lost)."""
+        """Kill worker i now and wait (bounded) until its process is gone (tests; the next call finds it dead and
+        reports it lost). `ray.kill` is asynchronous: without the wait a call sent at once may still run."""
         ray.kill(self.actors[i], no_restart=True)
+        deadline = time.monotonic() + 10.0
+        while self.pids[i] is not None and _alive(self.pids[i]) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def checkpoint(self, directory: str) -> list[str]:
         """Every worker snapshots its pool into ``directory`` (a new file per checkpoint; on a cluster it must be

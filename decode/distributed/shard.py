@@ -17,6 +17,7 @@ transaction on its first layer (``begin`` given), writes and computes, and leave
 import os
 import time
 
+import numba
 import numpy as np
 
 from decode import Decoder, batch_transaction
@@ -66,10 +67,10 @@ class Shard:
         return payload
 
     def state(self) -> dict:
-        """Fingerprint of the pool and its metadata, free pages, pid (for tests and `WorkerLostError`)."""
+        """Fingerprint of the pool and its metadata, free pages, pid, numba threads (tests and diagnostics)."""
         return {"fingerprint": self.cache.fingerprint(), "free_pages": self.cache.num_free_pages,
                 "content": self.cache.fingerprint(include_free_pages=False), "pid": os.getpid(),
-                "open": sorted(self.open)}
+                "open": sorted(self.open), "threads": numba.get_num_threads()}
 
     # -- two-phase calls ------------------------------------------------------------------------------------
     def run(self, txid: int, begin, kind: str, layer: int, q, k, v, query_hi=None):

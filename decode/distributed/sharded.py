@@ -246,8 +246,9 @@ class ShardedDecoder:
         return self._family.cluster.checkpoint(directory)
 
     def recover(self) -> list[int]:
-        """Rebuild every lost worker (a fresh actor replays the log of what was committed on it); returns
-        their indices. Decoding then resumes with the results it would have had."""
+        """Rebuild every lost worker: a fresh actor loads the last `checkpoint` (if any) and replays the log of
+        what was committed on that worker since; returns their indices. Decoding then resumes with the results
+        it would have had."""
         return self._family.cluster.recover()
 
     def set_fault(self, worker: int, action, argument=None) -> None:

@@ -10,6 +10,17 @@ nothing: it returns the new K/V as given and names the cache to the layer's atte
 into the pool and attends over the page tables (`ForwardPlan`: one transaction per forward, committed after the
 last layer). A forward that fails anywhere is rolled back: by the attention call itself, or, when the failure
 was outside our code, at this cache's next use.
+
+Prefix reuse across `generate()` calls (``prefix_caching=True``): before each call, `match_prefix(input_ids,
+attention_mask)` starts every row from the longest prefix the pool holds (then generate() computes only the
+rest), and gives the pool the prompt's token ids so its full pages are registered for the next calls;
+`track_token_ids(model)` also hands the pool the ids of generated tokens (a forward pre-hook on the model)::
+
+    cache = PagedCache(model.config, max_tokens=8192, prefix_caching=True)
+    for prompt_ids, mask in requests:
+        cache.reset()                                     # rows freed; their registered pages stay cached
+        reused = cache.match_prefix(prompt_ids, mask)     # columns taken from the pool
+        out = model.generate(prompt_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
 """
 import contextvars
 
@@ -75,6 +86,8 @@ class PagedCache(Cache):
     dtype : "float16" | "float32" | "float64" | "int8"   storage dtype (int8: `kvcache.quant`); inputs are
                                              converted, outputs come back in the model's dtype
     page_size : int                          tokens per page
+    prefix_caching : bool                    register full pages by token id, reuse them (`match_prefix`)
+    namespace : str                          the pool's prefix namespace (name the model and its revision)
     kernel_threads : int or None             numba threads of the attention kernel for forwards of fewer than
                                              256 real queries (decode steps, verification); None: numba's
                                              setting. 1 by default: torch's OpenMP threads keep spinning after
@@ -88,13 +101,14 @@ class PagedCache(Cache):
     """
 
     def __init__(self, config, *, max_tokens=None, num_pages=None, dtype="float32", page_size=16,
-                 kernel_threads: int | None = 1):
+                 kernel_threads: int | None = 1, prefix_caching=False, namespace=""):
         if kernel_threads is not None and (isinstance(kernel_threads, bool) or not isinstance(kernel_threads, int)
                                            or kernel_threads < 1):
             raise ValueError(f"kernel_threads: expected None or an int >= 1, got {kernel_threads!r}")
         layout = layout_of(config)
         pool = KVCache(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                       dtype=dtype, page_size=page_size, num_pages=num_pages, max_tokens=max_tokens)
+                       dtype=dtype, page_size=page_size, num_pages=num_pages, max_tokens=max_tokens,
+                       prefix_caching=prefix_caching, namespace=namespace)
         self._setup(layout, pool, None, RowColumns(0), kernel_threads)
 
     def _setup(self, layout: ModelLayout, pool: KVCache, seqs, cols: RowColumns, kernel_threads) -> None:
@@ -103,6 +117,8 @@ class PagedCache(Cache):
         self._seqs, self._cols = seqs, cols
         self._plan = None
         self._record_past = False
+        self._prompt_ids = None          # int64 [B, L]: token ids of the columns of the current prompt
+        self._next_ids = None            # int64 [B, T]: the next forward's input_ids (`track_token_ids`)
         self.stats = {"kernel_calls": 0, "forwards": 0, "tokens": 0}
 
     # -- transformers' queries ----------------------------------------------------------------------------
@@ -177,10 +193,11 @@ class PagedCache(Cache):
         if new_real.shape != (batch, width):
             raise ValueError(f"attention_mask: expected the new columns' padding mask [batch, new] = "
                              f"{(batch, width)}, got {tuple(new_real.shape)}")
+        ids = self._forward_ids(batch, width)
         if self._seqs is None:
             seqs = [self.pool.create_sequence() for _ in range(batch)]
             try:
-                self._plan = ForwardPlan(self.pool, seqs, new_real, self.kernel_threads)
+                self._plan = ForwardPlan(self.pool, seqs, new_real, self.kernel_threads, ids)
             except BaseException:
                 for seq in seqs:
                     self.pool.free(seq)
@@ -190,7 +207,63 @@ class PagedCache(Cache):
             if batch != len(self._seqs):
                 raise ValueError(f"input batch: expected {len(self._seqs)} rows (the cache's; change them with "
                                  f"reorder_cache / batch_select_indices / batch_repeat_interleave), got {batch}")
-            self._plan = ForwardPlan(self.pool, self._seqs, new_real, self.kernel_threads)
+            self._plan = ForwardPlan(self.pool, self._seqs, new_real, self.kernel_threads, ids)
+
+    def _forward_ids(self, batch: int, width: int):
+        """``[B, T]`` token ids of this forward's columns if known (the model's input_ids through
+        `track_token_ids`, else the prompt given to `match_prefix`), or None."""
+        if not self.pool.prefix_caching:
+            return None
+        ids, self._next_ids = self._next_ids, None
+        if ids is not None and ids.shape == (batch, width):
+            return ids
+        start = self._cols.columns if self._seqs is not None else 0
+        prompt = self._prompt_ids
+        if prompt is not None and prompt.shape[0] == batch and start + width <= prompt.shape[1]:
+            return prompt[:, start:start + width]
+        return None
+
+    # -- prefix reuse ---------------------------------------------------------------------------------------
+    def track_token_ids(self, model):
+        """Hand the pool the token ids of every forward of ``model`` (its ``input_ids``; a forward pre-hook),
+        so generated tokens' pages are registered too. Returns the hook's handle (``.remove()`` undoes it)."""
+        def hook(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self._next_ids = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else None
+        return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def match_prefix(self, input_ids, attention_mask=None) -> int:
+        """Start every row of an empty cache from the longest prefix of its real tokens the pool holds; the same
+        number of columns for every row (transformers counts columns), at most ``L - 1``. Also remembers the
+        prompt's ids for registration. ``input_ids [B, L]``, ``attention_mask [B, L]`` (1: real). Returns the
+        columns reused (generate() then computes columns ``reused ..``)."""
+        self._settle()
+        if not self.pool.prefix_caching:
+            raise ValueError("match_prefix: expected a PagedCache built with prefix_caching=True, got False")
+        if self._seqs is not None:
+            raise ValueError("match_prefix: expected an empty cache (new, or after reset()), got one holding rows")
+        ids = np.asarray(input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else input_ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.shape[1] < 1:
+            raise ValueError(f"input_ids: expected integer ids [batch, length >= 1], got {ids.dtype} {ids.shape}")
+        mask = np.ones(ids.shape, dtype=bool) if attention_mask is None else np.asarray(
+            attention_mask.detach().cpu() if isinstance(attention_mask, torch.Tensor) else attention_mask).astype(bool)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask: expected shape {ids.shape} (input_ids'), got {mask.shape}")
+        real_before = np.concatenate([np.zeros((len(ids), 1), np.int64), np.cumsum(mask, axis=1)], axis=1)
+        matches = [self.pool.match_prefix(row[keep]) if keep.any() else None for row, keep in zip(ids, mask)]
+        hits = np.array([0 if m is None else m.num_tokens for m in matches])
+        columns = ids.shape[1] - 1
+        while columns > 0 and (real_before[:, columns] > hits).any():
+            columns -= 1
+        seqs = []
+        for row, match in enumerate(matches):
+            seq = self.pool.create_sequence() if match is None else match.seq
+            self.pool.truncate(seq, int(real_before[row, columns]))
+            seqs.append(seq)
+        cols = RowColumns(len(ids))
+        cols.extend(mask[:, :columns])
+        self._seqs, self._cols, self._prompt_ids = seqs, cols, ids.astype(np.int64)
+        return columns
 
     def _check_layer(self, layer: int, key, value, window: int) -> None:
         lay = self.layout
@@ -305,6 +378,7 @@ class PagedCache(Cache):
             if row not in owner:
                 self.pool.free(seq)
         self._seqs, self._cols = seqs, self._cols.select(rows)
+        self._prompt_ids = None                          # rows moved: the prompt's ids no longer line up
 
     def fork(self) -> "PagedCache":
         """An independent cache sharing every page of this one (copy-on-write; no K/V copied)."""
@@ -319,10 +393,12 @@ class PagedCache(Cache):
         return self.fork()
 
     def reset(self) -> None:
-        """Free every row; the cache is empty (as new) and takes any batch size at its next forward."""
+        """Free every row; the cache is empty (as new) and takes any batch size at its next forward (with
+        prefix caching, the rows' registered pages stay cached for `match_prefix`)."""
         self._settle()
         self._free_rows()
         self._cols = RowColumns(0)
+        self._prompt_ids = None
 
     def _free_rows(self) -> None:
         if self._seqs is not None:

@@ -27,9 +27,10 @@ class ForwardPlan:
     pool : kvcache.KVCache       the shared pool
     seqs : list[int]             the pool sequence of each batch row
     new_real : bool [B, T]
+    token_ids : int [B, T] or None   the columns' token ids (prefix caching registers the real ones)
     """
 
-    def __init__(self, pool, seqs, new_real: np.ndarray, kernel_threads: int | None = 1):
+    def __init__(self, pool, seqs, new_real: np.ndarray, kernel_threads: int | None = 1, token_ids=None):
         self.pool = pool
         self.kernel_threads = kernel_threads
         self.new_real = new_real
@@ -37,7 +38,9 @@ class ForwardPlan:
         self.batch, self.width = batch, width
         counts = new_real.sum(axis=1, dtype=np.int64)                          # [B]
         starts = np.array([pool.length(s) for s in seqs], dtype=np.int64)      # pool length of each row
-        self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)})  # CacheFullError: nothing changed
+        ids = None if token_ids is None else {s: token_ids[b][new_real[b]] for b, s in enumerate(seqs)}
+        self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)}, token_ids=ids)  # CacheFullError:
+        # nothing changed
         try:
             self._tables(seqs, counts, starts)
         except BaseException:

@@ -6,6 +6,9 @@
                   normalise, split-K combine
     decode.py     the single-query ("decode") kernel: work units, planning, the parallel driver
     int8.py       the same over int8 pages and their float16 group scales (kvcache.quant's format)
+    multiquery.py the tiled multi-query kernel (extend, prefill, verification: runs of consecutive queries of one
+                  sequence, K/V blocks loaded once per tile of rows), its planning and parallel driver
+    gemm.py       the 4-row register-blocked micro-GEMM in LLVM IR that multiquery.py's tiles run on
     checks.py     the one-pass input check of the validating wrapper
 
 Everything here takes arrays and scalars only: no globals, no objects, no checks. The validating entry point is

@@ -14,12 +14,14 @@ pages) at a time and, inside each page, every kv head in turn, so a thread strea
 (the access pattern that read 52-55 GB/s with 2 threads where one head across all pages read 17-37 GB/s,
 shared/notes/measured-facts.md). Long ranges are cut into units of `split` tokens (flash-decoding) and merged.
 
-Scales: a chunk of <= 16 K rows of one kv head is widened to float32 with its group scales in one pass into an
-L1 scratch tile (each row group's scale applied once, then the tile is reused by all G query heads of the kv
-head through the float kernel's `qk` register blocks). V: with G < 4 query heads per kv head the V scale is
-folded into the softmax weight (p * scale per row group, the int8 values converted in the FMA loop); with
-G >= 4 the V chunk is widened once with its scales (one multiply per element instead of G) and the float
-kernel's `pv` accumulates it. Accumulation is float32, as for float16/float32 storage.
+Scales (G = query heads per kv head; a page tile's float16 scales are converted once, `scales_f32`):
+    K  G < 4:   `dot4_i8`   scores straight from the int8 rows, the group scale applied once per row group
+       G 4-7:   `dot44_i8`  4 heads x 4 rows, each row converted and scaled once for the 4 heads
+       G >= 8:  `widen_rows` + `qk`  a 16-row chunk widened once with its scales, reused by all G heads
+    V  G < 4:   `pv1_i8`    the V scale folded into the softmax weight (p * scale per row group)
+       G 4-7:   `pv4_i8`    4 heads x 32 lanes in registers, each value vector converted and scaled once
+       G >= 8:  `widen_rows` + `pv`
+Scores, softmax and accumulation are float32, as for float16/float32 storage.
 """
 import numpy as np
 from numba import njit, prange, types
@@ -43,12 +45,6 @@ def widen32(src, i, dst, j, s):
     dst[j:j + GROUP] = src[i:i + GROUP].astype(np.float32) * np.float32(s)
 
 
-def fold4(acc, j, vp, t, i, w0, w1, w2, w3):
-    """acc[j:j+32] += sum_r w_r * float32(vp[t + r, i:i+32]) over r < 4: acc 1-D float32, vp 2-D int8."""
-    rows = vp[t:t + 4, i:i + GROUP].astype(np.float32)
-    acc[j:j + GROUP] += (w0 * rows[0] + w1 * rows[1]) + (w2 * rows[2] + w3 * rows[3])
-
-
 def h2f_all(src, dst):
     """dst[:n] = float32(float16 bits of src) for every element of the C-contiguous 2-D uint16 src (n its size)."""
     n = src.size
@@ -66,6 +62,24 @@ def pv4_i8(S, g, c, vp, st, nsg, t0, t1, acc, ng):
             acc[g + a, :n] += S[g + a, c + t - t0] * row
 
 
+def pv1_i8(S, g, c, vp, st, nsg, t0, t1, acc, ng):
+    """acc[g, :ng*32] += sum_t (S[g, c + t - t0] * scale[t, d // 32]) * vp[t, :ng*32] over t in [t0, t1): the V
+    scale folded into the softmax weight, one head. Arguments as `pv4_i8`."""
+    n = ng * GROUP
+    for t in range(t0, t1):
+        w = np.repeat(S[g, c + t - t0] * st[t * nsg:t * nsg + ng], GROUP)
+        acc[g, :n] += w * vp[t, :n].astype(np.float32)
+
+
+def dot44_i8(qs, g, kp, t, st, nsg, ng):
+    """16 scores qs[g + a] . (kp[t + b] * its group scales) over the first ng groups (a, b < 4), a-major:
+    qs [G, D] float32, kp [page_size, D] int8, st 1-D float32 page-tile scales (row stride nsg)."""
+    n = ng * GROUP
+    rows = [kp[t + b, :n].astype(np.float32) * np.repeat(st[(t + b) * nsg:(t + b) * nsg + ng], GROUP)
+            for b in range(4)]
+    return tuple(np.float32(np.dot(qs[g + a, :n], rows[b])) for a in range(4) for b in range(4))
+
+
 def dot4_i8(qv, kp, t, st, nsg, ng):
     """4 scores sum_d qv[d] * kp[t + r, d] * st[(t + r) * nsg + d // 32] over the first ng groups of 32 (r < 4):
     qv 1-D float32, kp 2-D int8, st 1-D float32 (the page tile's scales, `scales_f32`)."""
@@ -81,6 +95,9 @@ if JIT:
     from llvmlite import ir as _ir
     from numba.core import cgutils as _cg
 
+    _V16 = _ir.VectorType(_ir.FloatType(), 16)
+    _V16I8 = _ir.VectorType(_ir.IntType(8), 16)
+    _V16I32 = _ir.VectorType(_ir.IntType(32), 16)
     _V8 = _ir.VectorType(_ir.IntType(8), GROUP)
     _V32 = _ir.VectorType(_ir.IntType(32), GROUP)
     _VF = _ir.VectorType(_ir.FloatType(), GROUP)
@@ -110,91 +127,6 @@ if JIT:
             return context.get_dummy_value()
 
         return types.void(src, i, dst, j, s), codegen
-
-    @intrinsic
-    def _fold4(typingctx, acc, j, vp, t, i, w0, w1, w2, w3):
-        if not (_is(acc, types.float32, 1) and _is(vp, types.int8, 2)
-                and all(w == types.float32 for w in (w0, w1, w2, w3))):
-            return None
-
-        def codegen(context, builder, sig, args):
-            a = context.make_array(sig.args[0])(context, builder, args[0])
-            v = context.make_array(sig.args[2])(context, builder, args[2])
-            cols = _cg.unpack_tuple(builder, v.shape, 2)[1]
-            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
-                                             "llvm.fma.v32f32")
-            ptr = builder.bitcast(builder.gep(a.data, [args[1]]), _VF.as_pointer())
-            total = builder.load(ptr, align=4)
-            for r in range(4):
-                row = builder.add(args[3], _ir.Constant(args[3].type, r))
-                x = _load_i8(builder, builder.gep(v.data, [builder.add(builder.mul(row, cols), args[4])]))
-                total = builder.call(fma, [x, _splat(builder, args[5 + r]), total])
-            builder.store(total, ptr, align=4)
-            return context.get_dummy_value()
-
-        return types.void(acc, j, vp, t, i, w0, w1, w2, w3), codegen
-
-    def _hsum(builder, v):
-        """Sum of the 32 lanes of v (a tree of shuffles)."""
-        width = GROUP
-        while width > 1:
-            half = width // 2
-            lo = builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_ir.IntType(32), half), list(range(half))))
-            hi = builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_ir.IntType(32), half),
-                                                            list(range(half, width))))
-            v = builder.fadd(lo, hi)
-            width = half
-        return builder.extract_element(v, _ir.Constant(_ir.IntType(32), 0))
-
-    @intrinsic
-    def _dot4_i8(typingctx, qv, kp, t, st, nsg, ng):
-        if not (_is(qv, types.float32, 1) and _is(kp, types.int8, 2) and _is(st, types.float32, 1)
-                and all(isinstance(x, types.Integer) for x in (t, nsg, ng))):
-            return None
-        sig = types.UniTuple(types.float32, 4)(qv, kp, t, st, nsg, ng)
-
-        def codegen(context, builder, sig, args):
-            qa = context.make_array(sig.args[0])(context, builder, args[0])
-            ka = context.make_array(sig.args[1])(context, builder, args[1])
-            sa = context.make_array(sig.args[3])(context, builder, args[3])
-            i64 = _ir.IntType(64)
-            t0, nsg0, ng0 = (context.cast(builder, a, ty, types.int64) for a, ty in
-                             ((args[2], sig.args[2]), (args[4], sig.args[4]), (args[5], sig.args[5])))
-            cols = _cg.unpack_tuple(builder, ka.shape, 2)[1]
-            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
-                                             "llvm.fma.v32f32")
-            entry = builder.block
-            header = builder.append_basic_block("dot4.header")
-            body = builder.append_basic_block("dot4.body")
-            done = builder.append_basic_block("dot4.done")
-            builder.branch(header)
-            builder.position_at_end(header)
-            i = builder.phi(i64)
-            accs = [builder.phi(_VF) for _ in range(4)]
-            zero = _ir.Constant(_VF, [0.0] * GROUP)
-            i.add_incoming(_ir.Constant(i64, 0), entry)
-            for acc in accs:
-                acc.add_incoming(zero, entry)
-            builder.cbranch(builder.icmp_signed("<", i, ng0), body, done)
-            builder.position_at_end(body)
-            base = builder.mul(i, _ir.Constant(i64, GROUP))
-            qg = builder.load(builder.bitcast(builder.gep(qa.data, [base]), _VF.as_pointer()), align=4)
-            new = []
-            for r in range(4):
-                row = builder.add(t0, _ir.Constant(i64, r))
-                kf = _load_i8(builder, builder.gep(ka.data, [builder.add(builder.mul(row, cols), base)]))
-                scale = builder.load(builder.gep(sa.data, [builder.add(builder.mul(row, nsg0), i)]))
-                new.append(builder.call(fma, [builder.fmul(kf, _splat(builder, scale)), qg, accs[r]]))
-            nxt = builder.add(i, _ir.Constant(i64, 1))
-            body_end = builder.block
-            i.add_incoming(nxt, body_end)
-            for acc, value in zip(accs, new):
-                acc.add_incoming(value, body_end)
-            builder.branch(header)
-            builder.position_at_end(done)
-            return context.make_tuple(builder, sig.return_type, [_hsum(builder, acc) for acc in accs])
-
-        return sig, codegen
 
     _V16H = _ir.VectorType(_ir.IntType(16), 16)
     _V16F = _ir.VectorType(_ir.FloatType(), 16)
@@ -269,9 +201,165 @@ if JIT:
 
         return types.void(S, g, c, vp, st, nsg, t0, t1, acc, ng), codegen
 
+    @intrinsic
+    def _pv1_i8(typingctx, S, g, c, vp, st, nsg, t0, t1, acc, ng):
+        if not (_is(S, types.float32, 2) and _is(vp, types.int8, 2) and _is(st, types.float32, 1)
+                and _is(acc, types.float32, 2)
+                and all(isinstance(x, types.Integer) for x in (g, c, nsg, t0, t1, ng))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            """Per 32-lane group: the accumulator in registers over all rows; per row one scalar weight
+            p * scale and one FMA per 16 lanes on the converted int8 values."""
+            i64 = _ir.IntType(64)
+            sa = context.make_array(sig.args[0])(context, builder, args[0])
+            va = context.make_array(sig.args[3])(context, builder, args[3])
+            ta = context.make_array(sig.args[4])(context, builder, args[4])
+            aa = context.make_array(sig.args[8])(context, builder, args[8])
+            g_, c_, nsg_, t0_, t1_, ng_ = (context.cast(builder, args[i], sig.args[i], types.int64)
+                                           for i in (1, 2, 5, 6, 7, 9))
+            scols = _cg.unpack_tuple(builder, sa.shape, 2)[1]
+            vcols = _cg.unpack_tuple(builder, va.shape, 2)[1]
+            acols = _cg.unpack_tuple(builder, aa.shape, 2)[1]
+            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
+                                             "llvm.fma.v32f32")
+            srow = builder.gep(sa.data, [builder.sub(builder.add(builder.mul(g_, scols), c_), t0_)])
+            slot = _cg.alloca_once(builder, _VF)
+            with _cg.for_range_slice(builder, _ir.Constant(i64, 0), ng_, _ir.Constant(i64, 1)) as (grp, _):
+                d = builder.mul(grp, _ir.Constant(i64, GROUP))
+                ap = builder.bitcast(builder.gep(aa.data, [builder.add(builder.mul(g_, acols), d)]), _VF.as_pointer())
+                builder.store(builder.load(ap, align=4), slot)
+                with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(i64, 1)) as (t, _):
+                    x = _load_i8(builder, builder.gep(va.data, [builder.add(builder.mul(t, vcols), d)]))
+                    scale = builder.load(builder.gep(ta.data, [builder.add(builder.mul(t, nsg_), grp)]))
+                    w = builder.fmul(builder.load(builder.gep(srow, [t])), scale)
+                    builder.store(builder.call(fma, [_splat(builder, w), x, builder.load(slot)]), slot)
+                builder.store(builder.load(slot), ap, align=4)
+            return context.get_dummy_value()
+
+        return types.void(S, g, c, vp, st, nsg, t0, t1, acc, ng), codegen
+
+    @overload(pv1_i8)
+    def _pv1_i8_ov(S, g, c, vp, st, nsg, t0, t1, acc, ng):
+        return lambda S, g, c, vp, st, nsg, t0, t1, acc, ng: _pv1_i8(S, g, c, vp, st, nsg, t0, t1, acc, ng)
+
     @overload(pv4_i8)
     def _pv4_i8_ov(S, g, c, vp, st, nsg, t0, t1, acc, ng):
         return lambda S, g, c, vp, st, nsg, t0, t1, acc, ng: _pv4_i8(S, g, c, vp, st, nsg, t0, t1, acc, ng)
+
+    def _butterfly(builder, vs):
+        """The lane sums of n <16 x float> vectors (n a power of two <= 16), in order: log2(n) stages of shuffle
+        pairs (each halves the lanes per partial sum and doubles the sums per vector), then xor shuffles inside the
+        last vector (n - 1 shuffle pairs in all where n horizontal sums would take 4 n)."""
+        i32 = _ir.IntType(32)
+        n = len(vs)
+        width = 8
+        while len(vs) > 1:
+            lo = [start + i for start in range(0, 16, 2 * width) for i in range(width)]
+            hi = [x + width for x in lo]
+            lo, hi = lo + [16 + x for x in lo], hi + [16 + x for x in hi]
+            vs = [builder.fadd(builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(i32, 16), lo)),
+                               builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(i32, 16), hi)))
+                  for a, b in zip(vs[0::2], vs[1::2])]
+            width //= 2
+        v = vs[0]
+        span = 16 // n
+        while span > 1:
+            half = span // 2
+            v = builder.fadd(v, builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(i32, 16),
+                                                                          [i ^ half for i in range(16)])))
+            span = half
+        return [builder.extract_element(v, _ir.Constant(i32, k * (16 // n))) for k in range(n)]
+
+    @intrinsic
+    def _dot44_i8(typingctx, qs, g, kp, t, st, nsg, ng):
+        if not (_is(qs, types.float32, 2) and _is(kp, types.int8, 2) and _is(st, types.float32, 1)
+                and all(isinstance(x, types.Integer) for x in (g, t, nsg, ng))):
+            return None
+        sig = types.UniTuple(types.float32, 16)(qs, g, kp, t, st, nsg, ng)
+
+        def codegen(context, builder, sig, args):
+            i64 = _ir.IntType(64)
+            qa = context.make_array(sig.args[0])(context, builder, args[0])
+            ka = context.make_array(sig.args[2])(context, builder, args[2])
+            sa = context.make_array(sig.args[4])(context, builder, args[4])
+            g_, t_, nsg_, ng_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 3, 5, 6))
+            qcols = _cg.unpack_tuple(builder, qa.shape, 2)[1]
+            kcols = _cg.unpack_tuple(builder, ka.shape, 2)[1]
+            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_V16, [_V16, _V16, _V16]),
+                                             "llvm.fma.v16f32")
+            qrows = [builder.gep(qa.data, [builder.mul(builder.add(g_, _ir.Constant(i64, a)), qcols)])
+                     for a in range(4)]
+            krows = [builder.add(t_, _ir.Constant(i64, b)) for b in range(4)]
+            kptrs = [builder.gep(ka.data, [builder.mul(r, kcols)]) for r in krows]
+            slots = [_cg.alloca_once_value(builder, _ir.Constant(_V16, [0.0] * 16)) for _ in range(16)]
+            with _cg.for_range_slice(builder, _ir.Constant(i64, 0), ng_, _ir.Constant(i64, 1)) as (grp, _):
+                scales = []
+                for r in krows:
+                    x = builder.load(builder.gep(sa.data, [builder.add(builder.mul(r, nsg_), grp)]))
+                    v = builder.insert_element(_ir.Constant(_V16, _ir.Undefined), x, _ir.Constant(_ir.IntType(32), 0))
+                    scales.append(builder.shuffle_vector(v, v, _ir.Constant(_V16I32, [0] * 16)))
+                for half in range(2):
+                    d = builder.add(builder.mul(grp, _ir.Constant(i64, GROUP)), _ir.Constant(i64, 16 * half))
+                    qv = [builder.load(builder.bitcast(builder.gep(p, [d]), _V16.as_pointer()), align=4)
+                          for p in qrows]
+                    kv = []
+                    for p, sc in zip(kptrs, scales):
+                        x = builder.load(builder.bitcast(builder.gep(p, [d]), _V16I8.as_pointer()), align=1)
+                        kv.append(builder.fmul(builder.sitofp(builder.sext(x, _V16I32), _V16), sc))
+                    for a in range(4):
+                        for b in range(4):
+                            sl = slots[a * 4 + b]
+                            builder.store(builder.call(fma, [qv[a], kv[b], builder.load(sl)]), sl)
+            sums = _butterfly(builder, [builder.load(sl) for sl in slots])
+            return context.make_tuple(builder, sig.return_type, sums)
+
+        return sig, codegen
+
+    @overload(dot44_i8)
+    def _dot44_i8_ov(qs, g, kp, t, st, nsg, ng):
+        return lambda qs, g, kp, t, st, nsg, ng: _dot44_i8(qs, g, kp, t, st, nsg, ng)
+
+    @intrinsic
+    def _dot4_i8(typingctx, qv, kp, t, st, nsg, ng):
+        if not (_is(qv, types.float32, 1) and _is(kp, types.int8, 2) and _is(st, types.float32, 1)
+                and all(isinstance(x, types.Integer) for x in (t, nsg, ng))):
+            return None
+        sig = types.UniTuple(types.float32, 4)(qv, kp, t, st, nsg, ng)
+
+        def codegen(context, builder, sig, args):
+            """Per group and row: the unscaled 32-lane partial (one multiply, one FMA over the two halves), then
+            one FMA with the group scale into the row's 16-lane accumulator; 4 rows reduced by one butterfly."""
+            i64 = _ir.IntType(64)
+            qa = context.make_array(sig.args[0])(context, builder, args[0])
+            ka = context.make_array(sig.args[1])(context, builder, args[1])
+            sa = context.make_array(sig.args[3])(context, builder, args[3])
+            t_, nsg_, ng_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 4, 5))
+            cols = _cg.unpack_tuple(builder, ka.shape, 2)[1]
+            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_V16, [_V16, _V16, _V16]),
+                                             "llvm.fma.v16f32")
+            rows = [builder.add(t_, _ir.Constant(i64, r)) for r in range(4)]
+            kptrs = [builder.gep(ka.data, [builder.mul(r, cols)]) for r in rows]
+            slots = [_cg.alloca_once_value(builder, _ir.Constant(_V16, [0.0] * 16)) for _ in range(4)]
+            with _cg.for_range_slice(builder, _ir.Constant(i64, 0), ng_, _ir.Constant(i64, 1)) as (grp, _):
+                d0 = builder.mul(grp, _ir.Constant(i64, GROUP))
+                d1 = builder.add(d0, _ir.Constant(i64, 16))
+                q0 = builder.load(builder.bitcast(builder.gep(qa.data, [d0]), _V16.as_pointer()), align=4)
+                q1 = builder.load(builder.bitcast(builder.gep(qa.data, [d1]), _V16.as_pointer()), align=4)
+                for r, p, sl in zip(rows, kptrs, slots):
+                    k0, k1 = (builder.sitofp(builder.sext(builder.load(builder.bitcast(builder.gep(p, [d]),
+                                                                                          _V16I8.as_pointer()),
+                                                                         align=1), _V16I32), _V16)
+                              for d in (d0, d1))
+                    part = builder.call(fma, [k1, q1, builder.fmul(k0, q0)])
+                    x = builder.load(builder.gep(sa.data, [builder.add(builder.mul(r, nsg_), grp)]))
+                    v = builder.insert_element(_ir.Constant(_V16, _ir.Undefined), x, _ir.Constant(_ir.IntType(32), 0))
+                    scale = builder.shuffle_vector(v, v, _ir.Constant(_V16I32, [0] * 16))
+                    builder.store(builder.call(fma, [part, scale, builder.load(sl)]), sl)
+            sums = _butterfly(builder, [builder.load(sl) for sl in slots])
+            return context.make_tuple(builder, sig.return_type, sums)
+
+        return sig, codegen
 
     @overload(dot4_i8)
     def _dot4_i8_ov(qv, kp, t, st, nsg, ng):
@@ -280,10 +368,6 @@ if JIT:
     @overload(widen32)
     def _widen32_ov(src, i, dst, j, s):
         return lambda src, i, dst, j, s: _widen32(src, i, dst, j, s)
-
-    @overload(fold4)
-    def _fold4_ov(acc, j, vp, t, i, w0, w1, w2, w3):
-        return lambda acc, j, vp, t, i, w0, w1, w2, w3: _fold4(acc, j, vp, t, i, w0, w1, w2, w3)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -317,7 +401,8 @@ def widen_rows(src, st, r0, r1, dst):
 def pv_folded(S, c0, vp, st, s0, s1, acc):
     """acc[g, d] += sum_t (S[g, c0 + t - s0] * scale[t, d // 32]) * vp[t, d] for t in [s0, s1): the V scale folded
     into the softmax weight (one multiply per row group), the int8 values converted inside the FMA pass
-    (`fold4`: 4 rows per accumulator load). S [G, block] float32, vp [page_size, Dv] int8, st the page tile's
+    (`pv1_i8`: each 32-lane group's accumulator in registers over all the rows). S [G, block] float32,
+    vp [page_size, Dv] int8, st the page tile's
     scales (`scales_f32`), acc [G, Dv] float32."""
     G = acc.shape[0]
     Dv = acc.shape[1]
@@ -326,23 +411,8 @@ def pv_folded(S, c0, vp, st, s0, s1, acc):
     for g in range(G):
         ag = acc[g]
         w = S[g]
-        t = s0
-        c = c0
-        while t + 4 <= s1:
-            b = t * NG
-            for k in range(full):
-                fold4(ag, k * GROUP, vp, t, k * GROUP, w[c] * st[b + k], w[c + 1] * st[b + NG + k],
-                      w[c + 2] * st[b + 2 * NG + k], w[c + 3] * st[b + 3 * NG + k])
-            t += 4
-            c += 4
-        while t < s1:
-            row = vp[t]
-            for k in range(full):
-                w0 = w[c] * st[t * NG + k]
-                for d in range(k * GROUP, k * GROUP + GROUP):
-                    ag[d] += w0 * np.float32(row[d])
-            t += 1
-            c += 1
+        if full > 0:
+            pv1_i8(S, g, c0, vp, st, NG, s0, s1, acc, full)
         if full * GROUP < Dv:                            # a short last group
             for t in range(s0, s1):
                 w0 = w[c0 + t - s0] * st[t * NG + full]
@@ -389,6 +459,72 @@ def pv_int8(S, c0, vp, st, s0, s1, acc, vt):
                     row = vt[t - r]
                     for d in range(d0, Dv):
                         ag[d] += w0 * row[d]
+            r = r1
+
+
+@njit(cache=True, fastmath=FAST)
+def qk4_int8(qs, kp, st, s0, s1, S, c0, kt):
+    """S[g, c0 + t - s0] = qs[g] . (kp[t] * its group scales) for t in [s0, s1), for 4 to 7 query heads per kv
+    head: blocks of 4 heads x 4 rows straight from the int8 rows (`dot44_i8`: each row converted and scaled once
+    per 4 heads, 16 dot products reduced by one butterfly); leftover rows and heads through a widened tile
+    (`widen_rows` + `qk`), a short last group element by element. kt [CHUNK, D] float32 scratch."""
+    G = qs.shape[0]
+    D = qs.shape[1]
+    full = D // GROUP
+    NG = -(-D // GROUP)
+    g4 = G - G % 4
+    t4 = s0 + (s1 - s0) // 4 * 4
+    for g in range(0, g4, 4):
+        S0 = S[g]
+        S1 = S[g + 1]
+        S2 = S[g + 2]
+        S3 = S[g + 3]
+        c = c0
+        for t in range(s0, t4, 4):
+            r = dot44_i8(qs, g, kp, t, st, NG, full)
+            S0[c] = r[0]
+            S0[c + 1] = r[1]
+            S0[c + 2] = r[2]
+            S0[c + 3] = r[3]
+            S1[c] = r[4]
+            S1[c + 1] = r[5]
+            S1[c + 2] = r[6]
+            S1[c + 3] = r[7]
+            S2[c] = r[8]
+            S2[c + 1] = r[9]
+            S2[c + 2] = r[10]
+            S2[c + 3] = r[11]
+            S3[c] = r[12]
+            S3[c + 1] = r[13]
+            S3[c + 2] = r[14]
+            S3[c + 3] = r[15]
+            c += 4
+    if full < NG:                                        # the short last group of the block rows
+        for g in range(g4):
+            qg = qs[g]
+            for t in range(s0, t4):
+                row = kp[t]
+                part = qg[0] - qg[0]
+                for d in range(full * GROUP, D):
+                    part += qg[d] * np.float32(row[d])
+                S[g, c0 + t - s0] += part * st[t * NG + full]
+    rest_rows = t4 < s1
+    if g4 < G or rest_rows:                              # leftover heads (all rows), leftover rows (all heads)
+        RC = kt.shape[0]
+        r = s0 if g4 < G else t4
+        while r < s1:
+            r1 = min(s1, r + RC)
+            widen_rows(kp, st, r, r1, kt)
+            for g in range(G):
+                if g < g4 and r1 <= t4:
+                    continue
+                qg = qs[g]
+                for t in range(max(r, t4) if g < g4 else r, r1):
+                    row = kt[t - r]
+                    a = qg[0] - qg[0]
+                    for d in range(D):
+                        a += qg[d] * row[d]
+                    S[g, c0 + t - s0] = a
             r = r1
 
 
@@ -443,6 +579,7 @@ def attend_range_int8(qs, kq, ks, vq, vs, pages, lo, hi, block, S, m, l, acc, kt
     P = kq.shape[2]
     Hkv = kq.shape[1]
     G = qs.shape[1]
+    D = kq.shape[3]
     RC = kt.shape[0]
     first = True
     b0 = lo
@@ -462,6 +599,9 @@ def attend_range_int8(qs, kq, ks, vq, vs, pages, lo, hi, block, S, m, l, acc, kt
                 qh = qs[h]
                 if G < 4:
                     qk_int8(qh, kp, kst, s0, s1, Sh, c)
+                    continue
+                if G < 8 and D >= GROUP:
+                    qk4_int8(qh, kp, kst, s0, s1, Sh, c, kt)
                     continue
                 r = s0
                 while r < s1:

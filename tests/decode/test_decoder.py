@@ -177,6 +177,38 @@ def test_full_pool_raises_and_freeing_makes_it_fit():
     assert b.extend(q1, k1, v1).shape == (5, 4, 8)
 
 
+@pytest.mark.parametrize("call,bad", [(c, b) for c in ("extend", "append", "step", "batch_step", "batch_extend")
+                                      for b in "qkv" if (c, b) != ("append", "q")])
+def test_bad_input_on_a_full_pool_is_named_before_capacity(call, bad):
+    """Every input is validated before a slot is reserved: a NaN on a full pool is the ValueError naming the
+    NaN (not CacheFullError), and the cache is byte for byte unchanged."""
+    from decode import batch_extend
+    rng = np.random.default_rng(13)
+    cache = KVCache(num_kv_heads=2, head_dim=8, page_size=4, num_pages=2)
+    a, b = Decoder.on_cache(cache, 4), Decoder.on_cache(cache, 4)
+    _, k, v = tokens(rng, 8, a)
+    a.append(k, v)                                        # the pool is full: any new token would not fit
+    count = 1 if call in ("step", "batch_step") else 3
+    q, k, v = tokens(rng, count, b)
+    {"q": q, "k": k, "v": v}[bad][count - 1, 1, 2] = np.nan
+    before = cache.fingerprint()
+    with pytest.raises(ValueError, match=rf"^{bad}(\[0\])?: expected finite values, got nan"):
+        if call == "extend":
+            b.extend(q, k, v)
+        elif call == "append":
+            b.append(k, v)
+        elif call == "step":
+            b.step(q[0], k[0], v[0])
+        elif call == "batch_step":
+            batch_step([b], q, k, v)
+        else:
+            batch_extend([b], [q], [k], [v])
+    assert cache.fingerprint() == before and b.length == 0
+    with pytest.raises(CacheFullError):                   # the same call with clean input: the pool is full
+        b.extend(*tokens(rng, 3, b))
+    assert cache.fingerprint() == before
+
+
 # -- sliding window ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("window", [1, 3, 4, 9])

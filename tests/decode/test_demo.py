@@ -3,7 +3,7 @@ speculative == greedy, naive == engine, rollback leaves the cache unchanged."""
 import numpy as np
 import pytest
 
-from decode import cli, demo
+from decode import cli, demo, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def test_engine_logits_match_no_cache_recomputation(result):
     assert len(seq) == cfg.prompt + cfg.tokens
     assert result.logits_engine.shape == (len(seq), cfg.vocab)
     # recompute here, independently of the stored reference
-    model64 = demo.TinyTransformer(cfg, np.float64)
+    model64 = tiny_model.TinyTransformer(cfg, np.float64)
     expected = demo.reference_logits(model64, seq)
     err = np.max(np.abs(result.logits_engine - expected))
     assert err <= demo.TOLERANCE["float32"]

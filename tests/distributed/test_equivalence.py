@@ -11,7 +11,7 @@ from decode import Decoder  # noqa: E402
 from decode.distributed import DecoderPool, ShardedDecoder, start_local_ray, stop_local_ray  # noqa: E402
 from kvcache import KVCache  # noqa: E402
 
-from .workload import Workload  # noqa: E402
+from .workload import MAX_FORKS, Workload  # noqa: E402
 
 PAGE, MAX_TOKENS = 4, 64
 
@@ -48,9 +48,11 @@ SLOW_GRID = [(s, w, a, d, l) for s in ("heads", "context") for w in (2, 3) for a
 def run_sharded(shard, workers, kind, dtype, layers, operations, seed):
     rng = np.random.default_rng(seed)
     args = settings(kind, dtype, layers)
-    # forks that diverge copy pages inside each worker's range: pools of MAX_TOKENS (ranges of MAX_TOKENS / workers)
-    with ShardedDecoder(workers=workers, shard=shard, pages_per_worker=MAX_TOKENS // PAGE, **args) as sharded:
-        counts = Workload(rng, [(sharded, Decoder(**args))], exact=shard == "heads",
+    # room for MAX_FORKS diverged sequences of up to MAX_TOKENS in the single pool and in every worker's pool
+    # (context ranges stay MAX_TOKENS / workers: forks that diverge copy pages inside each worker's range)
+    room = MAX_FORKS * MAX_TOKENS
+    with ShardedDecoder(workers=workers, shard=shard, pages_per_worker=room // PAGE, **args) as sharded:
+        counts = Workload(rng, [(sharded, Decoder(**dict(args, max_tokens=room)))], exact=shard == "heads",
                           max_length=MAX_TOKENS).run(operations)
     assert len(counts) >= 4, counts                                # a mixed workload ran
 

@@ -56,6 +56,8 @@ def test_a_worker_started_on_the_instance_keeps_to_loopback(local_ray):
         listeners = [where for where, _ in runtime.reported_addresses() if "listen" in where]
         assert any(str(pids[0]) in where for where in listeners), listeners   # the worker's own sockets checked
         assert check_loopback() > 0
+        cpus = int(ray.cluster_resources()["CPU"])
+        assert [s["threads"] for s in dec.worker_states().values()] == [max(1, cpus // 2)] * 2   # its CPU share
     assert not any(p in [pid for pid, _ in ray_processes()] for p in pids)   # close() ended them
 
 

@@ -43,10 +43,11 @@ def check_row_rule(x, q, s):
     assert (np.abs(x - q * step) <= step / 2 * (1 + 1e-12)).all(), "an element further than scale/2 from its input"
     pad = np.zeros(x.shape[:-1] + (G * 32,))
     pad[..., :D] = np.abs(x)
-    exact = pad.reshape(x.shape[:-1] + (G, 32)).max(axis=-1) / 127
-    assert (s.astype(np.float64) >= exact).all(), "a scale rounded down (the group could clip)"
+    peak = pad.reshape(x.shape[:-1] + (G, 32)).max(axis=-1)          # compared as 127 * s, never peak / 127
+    assert (s.astype(np.float64) * 127 >= peak).all(), "a scale rounded down (the group could clip)"
     below = np.nextafter(s, np.float16(0)).astype(np.float64)
-    assert ((below < exact) | (s == 0)).all(), "a scale larger than the smallest float16 that holds the group"
+    assert ((below * 127 < peak) | ((s == 0) & (peak == 0))).all(), (
+        "a scale larger than the smallest float16 that holds the group (or zero for a nonzero group)")
 
 
 # -- the rule through the cache ----------------------------------------------------------------------------------
@@ -70,6 +71,17 @@ def test_every_stored_element_within_half_a_scale(head_dim, tokens, data):
     assert gk.dtype == gv.dtype == np.float32
     assert_bitwise_equal(gk, quant.dequantize(kq, ks), "gather K")
     assert_bitwise_equal(gv, quant.dequantize(vq, vs), "gather V")
+
+
+def test_a_group_whose_peak_over_127_underflows_still_gets_a_scale():
+    """5e-324 / 127 is 0 in float64: the scale must still be the smallest float16, not 0 (found by Hypothesis)."""
+    cache = int8_cache(num_kv_heads=1, head_dim=4, page_size=2, num_pages=1)
+    seq = cache.create_sequence()
+    k = np.array([[[[5e-324, 0.0, -5e-324, 0.0]]]])
+    cache.append(seq, k, np.zeros_like(k))
+    (kq, ks), _ = stored_rows(cache, seq)
+    assert ks.tolist() == [[[np.nextafter(np.float16(0), np.float16(1))]]] and not kq.any()
+    check_row_rule(k[0], kq, ks)
 
 
 def test_zero_rows_and_the_largest_accepted_value():

@@ -244,3 +244,25 @@ def test_decoder_from_prefix_outputs_equal_a_fresh_computation_bitwise(rng):
     with pytest.raises(ValueError, match="num_q_heads"):
         Decoder.from_prefix(cache, 3, prompt)
     cache.check_invariants()
+
+
+def test_docs_example_runs():
+    import re
+    from pathlib import Path
+    doc = Path(__file__).resolve().parents[2] / "docs" / "prefix-caching.md"
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S) if "from_prefix" in b]
+    assert blocks, "docs/prefix-caching.md lost its example"
+    exec(compile(blocks[0], str(doc), "exec"), {})
+
+
+def test_memory_accounting_counts_cached_pages_apart(rng):
+    from kvcache.memory import cache_memory
+    cache = make(num_pages=8)
+    a = filled(cache, np.arange(10), rng)
+    filled(cache, np.arange(4) + 50, rng)
+    cache.free(a)                                             # 2 cached, the partial page freed
+    acc = cache_memory(cache)
+    page = cache.config.bytes_per_page
+    assert (acc["pages_used"], acc["pages_cached"], acc["pages_free"]) == (1, 2, 5)
+    assert acc["cached_bytes"] == 2 * page and acc["used_bytes"] == page
+    assert acc["allocated_bytes"] == acc["used_bytes"] + acc["cached_bytes"] + acc["free_bytes"]

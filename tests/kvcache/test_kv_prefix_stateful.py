@@ -16,7 +16,8 @@ Size: max_examples=60 x 30 steps (about 20-40 s on 2 cores); the `slow` form run
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 import kvcache
 from kvcache import CacheFullError
@@ -207,10 +208,12 @@ class PrefixMachine(RuleBasedStateMachine):
 
 
 SETTINGS = dict(stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-test_prefix_stateful = settings(max_examples=60, **SETTINGS)(PrefixMachine).TestCase
+
+
+def test_prefix_stateful():
+    run_state_machine_as_test(PrefixMachine, settings=settings(max_examples=60, **SETTINGS))
 
 
 @pytest.mark.slow
 def test_prefix_stateful_long():
-    run = settings(max_examples=600, **SETTINGS)(PrefixMachine).TestCase
-    run("runTest").runTest()
+    run_state_machine_as_test(PrefixMachine, settings=settings(max_examples=600, **SETTINGS))

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import decode.decoder as decoder_module
+from decode.attention import DecodePlan
+from decode.multiquery import RunsPlan
 from decode import Decoder, batch_extend, batch_step, batch_transaction
 from kvcache import CacheFullError, FaultInjector, InjectedFault, KVCache
 from kvcache.faults import no_fault
@@ -40,35 +42,53 @@ def observe(result):
     return result
 
 
+# every way the Decoder reaches a kernel: the wrapper, a one-query-per-sequence DecodePlan, a multi-query RunsPlan
+KERNEL_ENTRIES = ((decoder_module, "_paged_decode_attention_unchecked"), (DecodePlan, "run"), (RunsPlan, "run"))
+
+
+def patch_kernels(monkeypatch, wrap):
+    """Replace every kernel entry by ``wrap(real)``; returns the function that puts the real ones back."""
+    reals = [(owner, name, getattr(owner, name)) for owner, name in KERNEL_ENTRIES]
+    for owner, name, real in reals:
+        monkeypatch.setattr(owner, name, wrap(real))
+
+    def restore():
+        for owner, name, real in reals:
+            monkeypatch.setattr(owner, name, real)
+    return restore
+
+
 def run_counting(ctx, op, monkeypatch):
     """Run ``op(ctx)`` counting fault points and kernel calls."""
     calls = []
-    real = decoder_module._paged_decode_attention_unchecked
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(decoder_module, "_paged_decode_attention_unchecked", counting)
+    def wrap(real):
+        def counting(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+        return counting
+    restore = patch_kernels(monkeypatch, wrap)
     ctx["cache"].fault_hook = counter = FaultInjector()
     try:
         result = observe(op(ctx))
     finally:
         ctx["cache"].fault_hook = no_fault
-        monkeypatch.setattr(decoder_module, "_paged_decode_attention_unchecked", real)
+        restore()
     return result, counter.points, len(calls)
 
 
 def failing_kernel(monkeypatch, fail_at):
-    real = decoder_module._paged_decode_attention_unchecked
+    """Make the ``fail_at``-th kernel entry call raise; returns the restore function."""
     calls = []
 
-    def kernel(*args, **kwargs):
-        calls.append(1)
-        if len(calls) - 1 == fail_at:
-            raise KernelFault(f"kernel call #{fail_at} failed")
-        return real(*args, **kwargs)
-    monkeypatch.setattr(decoder_module, "_paged_decode_attention_unchecked", kernel)
-    return real
+    def wrap(real):
+        def kernel(*args, **kwargs):
+            calls.append(1)
+            if len(calls) - 1 == fail_at:
+                raise KernelFault(f"kernel call #{fail_at} failed")
+            return real(*args, **kwargs)
+        return kernel
+    return patch_kernels(monkeypatch, wrap)
 
 
 def enumerate_faults(build, op, monkeypatch, *, absorbed_after=None):
@@ -89,7 +109,7 @@ def enumerate_faults(build, op, monkeypatch, *, absorbed_after=None):
             cache.fault_hook = FaultInjector(fail_at=i)
             error, where = InjectedFault, f"fault #{i} at {points[i]!r}"
         else:
-            real = failing_kernel(monkeypatch, i)
+            restore = failing_kernel(monkeypatch, i)
             error, where = KernelFault, f"kernel call #{i}"
         try:
             if how == "fault" and i > commit:
@@ -102,7 +122,7 @@ def enumerate_faults(build, op, monkeypatch, *, absorbed_after=None):
         finally:
             cache.fault_hook = no_fault
             if how == "kernel":
-                monkeypatch.setattr(decoder_module, "_paged_decode_attention_unchecked", real)
+                restore()
         cache.check_invariants()
         if how == "fault" and i > commit:
             continue
@@ -319,6 +339,20 @@ def test_multi_layer_batch_extend_transaction(monkeypatch):
     points = enumerate_faults(build, op, monkeypatch)
     # writes per page touched, each layer: 4..5 | 7, 8..11 | 0..2 | 4 (the fork: page 1 is full, shared -> fresh)
     assert count(points, "write_k") == 2 * 5 and points[-1] == "publish"
+
+
+def test_multi_layer_batch_extend_planned_once(monkeypatch):
+    """Every decoder's tokens form a run: one RunsPlan made on the first layer, one kernel call per layer."""
+    def build():
+        return ragged_inputs(shared([4, 7, 0], layers=2, fork_last=True), [3, 5, 3, 4], layers=2)
+
+    def op(ctx):
+        with batch_transaction(ctx["decs"], ctx["counts"]) as tx:
+            return [tx.extend(layer, ctx["q"][layer], ctx["k"][layer], ctx["v"][layer]) for layer in (0, 1)]
+
+    ctx = build()
+    assert run_counting(ctx, op, monkeypatch)[2] == 2
+    enumerate_faults(build, op, monkeypatch)
 
 
 # -- sliding windows: the release after the commit ---------------------------------------------------------------
