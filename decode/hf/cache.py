@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcache import KVCache
 
-from .layout import ModelLayout, layout_of
+from .layout import ModelLayout, UnsupportedFeatureError, layout_of
 from .plan import ForwardPlan
 from .rows import RowColumns
 
@@ -193,6 +193,8 @@ class PagedCache(Cache):
         if new_real.shape != (batch, width):
             raise ValueError(f"attention_mask: expected the new columns' padding mask [batch, new] = "
                              f"{(batch, width)}, got {tuple(new_real.shape)}")
+        if any(self.layout.windows):
+            self._refuse_inner_padding(new_real)
         ids = self._forward_ids(batch, width)
         if self._seqs is None:
             seqs = [self.pool.create_sequence() for _ in range(batch)]
@@ -208,6 +210,17 @@ class PagedCache(Cache):
                 raise ValueError(f"input batch: expected {len(self._seqs)} rows (the cache's; change them with "
                                  f"reorder_cache / batch_select_indices / batch_repeat_interleave), got {batch}")
             self._plan = ForwardPlan(self.pool, self._seqs, new_real, self.kernel_threads, ids)
+
+    def _refuse_inner_padding(self, new_real: np.ndarray) -> None:
+        """Sliding windows count columns in transformers (pads included) but pool positions here: the two agree
+        only while every pad of a row comes before its first real token (left padding)."""
+        held = np.zeros(len(new_real), dtype=bool) if self._seqs is None else np.array(
+            [self.pool.length(s) > 0 for s in self._seqs])
+        seen = held[:, None] | np.logical_or.accumulate(new_real, axis=1)            # [B, T] real token so far
+        after_real = ~new_real[:, 1:] & seen[:, :-1]
+        if (held & ~new_real[:, 0]).any() or after_real.any():
+            raise UnsupportedFeatureError("attention_mask: padding after a row's real tokens with sliding-window "
+                                          "layers (the window would span the pad columns); left padding only")
 
     def _forward_ids(self, batch: int, width: int):
         """``[B, T]`` token ids of this forward's columns if known (the model's input_ids through

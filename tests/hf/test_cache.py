@@ -261,3 +261,18 @@ def test_import_decode_imports_no_torch():
     code = "import sys, decode, kvcache; print('torch' in sys.modules or 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_sliding_window_refuses_padding_after_real_tokens():
+    """Windows count columns in transformers but pool positions here: only left padding keeps them equal."""
+    _, model = model_pair("mistral-window", torch.float64)
+    cache = paged_cache(model, "float64")
+    ids = torch.tensor([[3, 4, 0, 5]])
+    with pytest.raises(UnsupportedFeatureError, match="left padding only"):
+        forward(model, ids, torch.tensor([[1, 1, 0, 1]]), cache)
+    assert cache.lengths() == [] and cache.pool.num_free_pages == cache.pool.config.num_pages
+    forward(model, ids, torch.tensor([[0, 1, 1, 1]]), cache)             # left padding is fine
+    before = cache.fingerprint()
+    with pytest.raises(UnsupportedFeatureError, match="left padding only"):
+        forward(model, torch.tensor([[7]]), torch.tensor([[0, 1, 1, 1, 0]]), cache)
+    assert cache.fingerprint() == before
