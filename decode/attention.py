@@ -374,7 +374,7 @@ def _int8_unchecked(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_
         _kernels.int8_units(q, k_pages, ks, v_pages, vs, page_indices, page_indptr, query_seq, query_pos, window,
                             scale, out, _NO_UNITS4, 0, nq, block, _NO_WM, _NO_WM, _NO_WACC)
         return out
-    units, bounds, items, num_slots = _kernels.plan_int8(query_pos, window, split, nthreads)
+    units, bounds, items, num_slots = _kernels.plan_units(query_pos, window, split, nthreads)
     return _kernels.int8_parallel(q, k_pages, ks, v_pages, vs, page_indices, page_indptr, query_seq, query_pos,
                                   window, scale, out, units, bounds, items, num_slots, block)
 

@@ -29,4 +29,4 @@ Compute dtype: float32 for float16 (uint16) and float32 storage, float64 for flo
 from .cachedir import NUMBA_CACHE_FALLBACK  # noqa: F401  (first: settles numba's cache directory)
 from .checks import check_inputs  # noqa: F401
 from .decode import decode_parallel, decode_units, plan_units  # noqa: F401
-from .int8 import int8_parallel, int8_units, plan_int8  # noqa: F401
+from .int8 import int8_parallel, int8_units  # noqa: F401

@@ -678,69 +678,6 @@ def int8_units(q, kq, ks, vq, vs, page_indices, page_indptr, query_seq, query_po
                               vst)
 
 
-@njit(cache=True)
-def plan_int8(query_pos, window, split, nchunks):
-    """Cut every query's key range at absolute multiples of `split` tokens into units and balance them over
-    `nchunks` contiguous chunks by cost (tokens + 16 per unit).
-
-    Returns units [U, 4] = (query, lo, hi, workspace slot or -1 when the range is not split), bounds
-    [nchunks + 1], items [n_split, 3] = (query, first slot, number of slots) and the number of slots."""
-    nq = query_pos.shape[0]
-    U = 0
-    n_items = 0
-    for i in range(nq):
-        hi = query_pos[i] + 1
-        lo = max(0, hi - window) if window > 0 else 0
-        n = (hi - 1) // split - lo // split + 1
-        U += n
-        if n > 1:
-            n_items += 1
-    units = np.empty((U, 4), np.int64)
-    items = np.empty((n_items, 3), np.int64)
-    u = 0
-    w = 0
-    it = 0
-    total = 0
-    for i in range(nq):
-        hi = query_pos[i] + 1
-        lo = max(0, hi - window) if window > 0 else 0
-        n = (hi - 1) // split - lo // split + 1
-        if n > 1:
-            items[it, 0] = i
-            items[it, 1] = w
-            items[it, 2] = n
-            it += 1
-        for j in range(n):
-            a = max(lo, (lo // split + j) * split)
-            b = min(hi, (lo // split + j + 1) * split)
-            units[u, 0] = i
-            units[u, 1] = a
-            units[u, 2] = b
-            if n > 1:
-                units[u, 3] = w
-                w += 1
-            else:
-                units[u, 3] = -1
-            total += b - a + 16
-            u += 1
-    nch = max(1, nchunks)
-    bounds = np.empty(nch + 1, np.int64)
-    bounds[0] = 0
-    cum = 0
-    c = 1
-    for u in range(U):
-        cost = units[u, 2] - units[u, 1] + 16
-        mid2 = 2 * cum + cost          # unit u goes to chunk floor(midpoint * nch / total)
-        while c < nch and mid2 * nch > 2 * c * total:
-            bounds[c] = u
-            c += 1
-        cum += cost
-    while c <= nch:
-        bounds[c] = U
-        c += 1
-    return units, bounds, items, w
-
-
 @njit(cache=True, fastmath=FAST)
 def combine_int8(out, items, a, b, wm, wl, wacc):
     """Merge the split partials of items a..b-1 into out (all query heads of each item's query)."""
@@ -756,7 +693,7 @@ def combine_int8(out, items, a, b, wm, wl, wacc):
 @njit(parallel=True, cache=True, fastmath=FAST)
 def int8_parallel(q, kq, ks, vq, vs, page_indices, page_indptr, query_seq, query_pos, window, scale, out,
                   units, bounds, items, num_slots, block):
-    """The units of `plan_int8` on all threads (one prange iteration per chunk of units, each owning its units'
+    """The units of `decode.plan_units` on all threads (one prange iteration per chunk of units, each owning its units'
     outputs and workspace slots), then the split ranges are merged (prange over items when there are enough)."""
     Hkv = kq.shape[1]
     G = q.shape[1] // Hkv
