@@ -13,7 +13,7 @@ workers: all rows land or none (two phases: every worker prepares its rows, then
 from kvcache.checks import check_int
 
 from .layout import SequenceLayout
-from .sharded import DEFAULT_TIMEOUT_S, Family, ShardedDecoder, ShardedTransaction
+from .sharded import DEFAULT_TIMEOUT_S, Family, ShardedDecoder, ShardedTransaction, WorkerControls
 from .validate import Validator
 
 
@@ -29,7 +29,7 @@ class PooledSequence(ShardedDecoder):
         self.free()
 
 
-class DecoderPool:
+class DecoderPool(WorkerControls):
     """Sequences on ``workers`` Ray workers; each worker's pool holds ceil(ceil(max_tokens / page_size) /
     workers) pages (``max_tokens`` is the pool's total). Other parameters as `decode.Decoder`."""
 
@@ -95,44 +95,3 @@ class DecoderPool:
         for s in seqs:
             s._require()
         return seqs
-
-    # -- workers --------------------------------------------------------------------------------------------
-    def ping(self, payload=None) -> None:
-        """One round trip to every worker in parallel, ``payload`` there and back (what a call costs beyond its
-        work: benchmarks/test_distributed.py)."""
-        self._family.cluster.ping(payload)
-
-    def worker_states(self, survivors_only: bool = False) -> dict[int, dict]:
-        """Per worker: fingerprint of its pool and metadata (``fingerprint``; ``content``: the bytes in use
-        only), free pages, pid, open transactions. ``survivors_only``: of the workers not lost."""
-        return self._family.cluster.states(survivors_only)
-
-    def checkpoint(self, directory) -> list[str]:
-        """`ShardedDecoder.checkpoint` for the pool's workers."""
-        return self._family.cluster.checkpoint(directory)
-
-    def recover(self) -> list[int]:
-        """Rebuild every lost worker from its log; returns their indices."""
-        return self._family.cluster.recover()
-
-    def set_fault(self, worker: int, action, argument=None) -> None:
-        """Tests: arm a fault on one worker (`decode.distributed.shard.Shard.set_fault`)."""
-        self._family.cluster.call_all({worker: ("set_fault", action, argument)})
-
-    def kill_worker(self, worker: int) -> None:
-        """Tests: kill one worker now."""
-        self._family.cluster.kill(worker)
-
-    @property
-    def worker_pids(self) -> list:
-        return list(self._family.cluster.pids)
-
-    def close(self) -> None:
-        """Kill the workers (every sequence ends) and wait for their processes to exit."""
-        self._family.cluster.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -51,7 +51,56 @@ class Family:
         return results
 
 
-class ShardedDecoder:
+class WorkerControls:
+    """The worker-level calls of `ShardedDecoder` and `DecoderPool` (both hold ``self._family``, whose
+    ``cluster`` owns the actors)."""
+
+    def ping(self, payload=None) -> None:
+        """One round trip to every worker in parallel, ``payload`` there and back (what a call costs beyond its
+        work: benchmarks/test_distributed.py)."""
+        self._family.cluster.ping(payload)
+
+    def worker_states(self, survivors_only: bool = False) -> dict[int, dict]:
+        """Per worker: fingerprint of its pool and metadata (``fingerprint``; ``content``: the bytes in use
+        only), free pages, pid, open transactions. ``survivors_only``: of the workers not lost."""
+        return self._family.cluster.states(survivors_only)
+
+    def checkpoint(self, directory) -> list[str]:
+        """Snapshot every worker's pool into ``directory`` (`kvcache.KVCache.save`) and restart the recovery
+        logs empty: `recover` then loads the snapshot and replays only what came after. Returns the paths."""
+        return self._family.cluster.checkpoint(directory)
+
+    def recover(self) -> list[int]:
+        """Rebuild every lost worker: a fresh actor loads the last `checkpoint` (if any) and replays the log of
+        what was committed on that worker since; returns their indices. Decoding then resumes with the results
+        it would have had."""
+        return self._family.cluster.recover()
+
+    def set_fault(self, worker: int, action, argument=None) -> None:
+        """Tests: arm a fault on one worker (`decode.distributed.shard.Shard.set_fault`)."""
+        self._family.cluster.call_all({worker: ("set_fault", action, argument)})
+
+    def kill_worker(self, worker: int) -> None:
+        """Tests: kill one worker now."""
+        self._family.cluster.kill(worker)
+
+    @property
+    def worker_pids(self) -> list:
+        return list(self._family.cluster.pids)
+
+    def close(self) -> None:
+        """Kill the workers (every sequence on them ends: a decoder and all its forks, a pool's sequences) and
+        wait for their processes to exit."""
+        self._family.cluster.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ShardedDecoder(WorkerControls):
     """One sequence of a paged KV cache sharded over ``workers`` Ray workers (see the module docstring).
 
     Parameters
@@ -228,50 +277,11 @@ class ShardedDecoder:
         family.broadcast({w: ("free", self._sid) for w in family.layout.holders(self._sid)}, ("free", self._sid))
         del family.lengths[self._sid]
 
-    # -- workers --------------------------------------------------------------------------------------------
-    def ping(self, payload=None) -> None:
-        """One round trip to every worker in parallel, ``payload`` there and back (what a call costs beyond its
-        work: benchmarks/test_distributed.py)."""
-        self._family.cluster.ping(payload)
-
-    def worker_states(self, survivors_only: bool = False) -> dict[int, dict]:
-        """Per worker: fingerprint of its pool and metadata (``fingerprint``; ``content``: the bytes in use
-        only), free pages, pid, open transactions. ``survivors_only``: of the workers not lost."""
-        return self._family.cluster.states(survivors_only)
-
+    # -- workers (the rest: WorkerControls) ---------------------------------------------------------------
     def checkpoint(self, directory) -> list[str]:
-        """Snapshot every worker's pool into ``directory`` (`kvcache.KVCache.save`) and restart the recovery
-        logs empty: `recover` then loads the snapshot and replays only what came after. Returns the paths."""
         self._require()
-        return self._family.cluster.checkpoint(directory)
-
-    def recover(self) -> list[int]:
-        """Rebuild every lost worker: a fresh actor loads the last `checkpoint` (if any) and replays the log of
-        what was committed on that worker since; returns their indices. Decoding then resumes with the results
-        it would have had."""
-        return self._family.cluster.recover()
-
-    def set_fault(self, worker: int, action, argument=None) -> None:
-        """Tests: arm a fault on one worker (`decode.distributed.shard.Shard.set_fault`)."""
-        self._family.cluster.call_all({worker: ("set_fault", action, argument)})
-
-    def kill_worker(self, worker: int) -> None:
-        """Tests: kill one worker now."""
-        self._family.cluster.kill(worker)
-
-    @property
-    def worker_pids(self) -> list:
-        return list(self._family.cluster.pids)
-
-    def close(self) -> None:
-        """Kill the workers (this decoder and all its forks end) and wait for their processes to exit."""
-        self._family.cluster.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        return super().checkpoint(directory)
+    checkpoint.__doc__ = WorkerControls.checkpoint.__doc__
 
     def _require(self) -> None:
         if self._sid not in self._family.lengths and not self._family.cluster.closed:
