@@ -188,6 +188,17 @@ def load_group(q, i, h, scale, qs):
             dst[d] = src[d] * scale
 
 
+@njit(cache=True)
+def unit_range(units, u, query_pos, window):
+    """Work unit ``u`` as (query, lo, hi, workspace slot): row ``u`` of a plan's ``units [U, 4]``
+    (`decode.plan_units`), or, with no plan (``units`` empty: the serial kernels), query ``u`` over its whole
+    visible range ``lo..p`` (lo = 0, or p - window + 1 with a window) with slot -1 (normalise into out)."""
+    if units.shape[0] == 0:
+        hi = query_pos[u] + 1
+        return u, (max(0, hi - window) if window > 0 else 0), hi, -1
+    return units[u, 0], units[u, 1], units[u, 2], units[u, 3]
+
+
 @njit(cache=True, fastmath=FAST)
 def load_heads(qi, qs):
     """qs[h, g, :] = qi[h*G + g, :].  qi: [num_q_heads, head_dim], qs: [num_kv_heads, G, head_dim] (the scale is

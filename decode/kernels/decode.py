@@ -5,7 +5,7 @@ split ranges are merged flash-decoding style."""
 import numpy as np
 from numba import njit, prange
 
-from .blocks import combine_heads, load_heads, normalise, pv, qk, softmax_block
+from .blocks import combine_heads, load_heads, normalise, pv, qk, softmax_block, unit_range
 from .simd import FAST, prefetch_lines
 
 
@@ -38,7 +38,6 @@ def attend_pages(qs, k_pages, v_pages, pages, lo, hi, scale, block, ahead, S, m,
     V, after its last V the next block's first K)."""
     P = k_pages.shape[2]
     H = k_pages.shape[1]
-    npg = pages.shape[0]
     RC = 16 if qs.shape[1] >= 8 else min(16, max(4, 4096 // (k_pages.shape[3] * k_pages.itemsize)))
     AK = min(H * P, max(1, ahead // (k_pages.shape[3] * k_pages.itemsize)))
     AV = min(H * P, max(1, ahead // (v_pages.shape[3] * v_pages.itemsize)))
@@ -112,18 +111,8 @@ def decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, quer
     sc = np.empty(1, q.dtype)
     sc[0] = scale                    # the scale in the compute dtype: score arithmetic never widens to float64
     scale_c = sc[0]
-    serial = units.shape[0] == 0
     for u in range(u0, u1):
-        if serial:
-            i = u
-            hi = query_pos[i] + 1
-            lo = max(0, hi - window) if window > 0 else 0
-            w = -1
-        else:
-            i = units[u, 0]
-            lo = units[u, 1]
-            hi = units[u, 2]
-            w = units[u, 3]
+        i, lo, hi, w = unit_range(units, u, query_pos, window)
         s = query_seq[i]
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         load_heads(q[i], qs)

@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .blocks import combine, load_group, normalise, pv, qk, softmax_block
+from .blocks import combine, load_group, normalise, pv, qk, softmax_block, unit_range
 from .simd import FAST, JIT, ld
 
 ONE = np.float32(1.0)  # softmax_block's scale: this kernel scales q up front
@@ -653,18 +653,8 @@ def int8_units(q, kq, ks, vq, vs, page_indices, page_indptr, query_seq, query_po
     vt = np.empty((RC, Dv), np.float32)
     kst = np.empty(ks.shape[2] * ks.shape[3], np.float32)
     vst = np.empty(vs.shape[2] * vs.shape[3], np.float32)
-    serial = units.shape[0] == 0
     for u in range(u0, u1):
-        if serial:
-            i = u
-            hi = query_pos[i] + 1
-            lo = max(0, hi - window) if window > 0 else 0
-            w = -1
-        else:
-            i = units[u, 0]
-            lo = units[u, 1]
-            hi = units[u, 2]
-            w = units[u, 3]
+        i, lo, hi, w = unit_range(units, u, query_pos, window)
         s = query_seq[i]
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         for h in range(Hkv):
