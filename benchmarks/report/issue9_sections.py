@@ -58,6 +58,32 @@ def walk_section(res: Results) -> tuple[str, list]:
     return table(header, out), unmet
 
 
+def _compute_rows(res: Results) -> dict:
+    """{(shape prefix, dtype, page): compute seconds per token} of benchmarks/test_compute.py."""
+    return {(r["extra"]["walk_shape_prefix"], r["extra"]["dtype"], r["extra"]["page_size"]):
+            r["extra"]["compute_s_per_token"] for r in res.rows if "compute_s_per_token" in r["extra"]}
+
+
+def limits_section(res: Results) -> str:
+    """Each cold step beside the page walk of its pages and its compute time (the hot step's slope x N): a step
+    near walk + compute serialises the two; one near max(walk, compute) overlaps them."""
+    compute = _compute_rows(res)
+    out = []
+    for (s, page), r in sorted(_walk_rows(res).items(), key=lambda kv: (shape_key(kv[0][0]), kv[0][1])):
+        e = r["extra"]
+        c = compute.get((s.rsplit("-n", 1)[0], e.get("dtype"), page))
+        walk = e.get("walk_seconds")
+        if c is None or walk is None:
+            continue
+        comp = c * e["context"]
+        out.append([s, page, fmt_time(r["median"]), fmt_time(walk), fmt_time(comp), fmt_time(max(walk, comp)),
+                    fmt_time(walk + comp), f"{r['median'] / (walk + comp):.2f}"])
+    if not out:
+        return "(no compute benchmark in this run: `benchmarks/test_compute.py`)"
+    return table(["shape", "page", "cold step", "page walk", "compute (hot slope x N)", "max(walk, compute)",
+                  "walk + compute", "step / (walk + compute)"], out)
+
+
 def mqa_section(res: Results) -> tuple[str, list]:
     """`Decoder.step` at MQA (compute-bound): fraction of the matmul rate, 4096 and 32768 tokens."""
     out, unmet = [], []
@@ -192,6 +218,7 @@ def issue9_section(res: Results, gens: dict) -> tuple[str, list]:
     parts, unmet = [], []
     for title, (text, miss) in (
             ("`Decoder.step` against the page-walk ceiling (cold, 32 q heads, d 128)", walk_section(res)),
+            ("What limits the step: its page walk and its compute time", (limits_section(res), [])),
             ("`Decoder.step`, MQA: of the matmul rate", mqa_section(res)),
             ("`extend` / prefill (GQA 32/8, d 128): of the matmul rate and vs torch SDPA",
              multiquery_targets_section(res)),

@@ -25,6 +25,16 @@ def _walk(shape, page, median, frac):
                   frac_walk=frac, walk_gb_per_s=40.0)
 
 
+def test_limits_table_sets_walk_and_compute_beside_the_step(tmp_path):
+    shape = "GQA-q32kv8d128-n4096-fp16"
+    walk = _walk(shape, 16, 1.5e-3, 0.6)
+    walk["extra_info"].update(dtype="float16", context=4096, walk_seconds=1.0e-3)
+    compute = _bench("compute GQA-q32kv8d128-fp16", "test_step_compute[x]", 1e-4, walk_shape_prefix="GQA-q32kv8d128",
+                     dtype="float16", page_size=16, compute_s_per_token=1e-3 / 4096 / 2)
+    text = _render(tmp_path, [walk, compute])
+    assert f"| {shape} | 16 | 1.50 ms | 1.00 ms | 500.0 µs | 1.00 ms | 1.50 ms | 1.00 |" in text
+
+
 def _int8(att, n, page, s16, s32):
     return _bench(f"int8 {att} n{n} P{page}", f"test_int8_step[{att}{n}P{page}]", 1e-3, attention=att, context=n,
                   page_size=page, median_s_int8=1e-3, median_s_float16=s16 * 1e-3, median_s_float32=s32 * 1e-3,
