@@ -233,7 +233,7 @@ def test_batch_extend(benchmark, ceilings, quick, warm_engine, impl):
 # ---------------------------------------------------------------------------------------------------------------
 # int8 storage (issue 11): the tiled kernel over int8 pages vs float16 and vs the int8 single-query kernel
 # ---------------------------------------------------------------------------------------------------------------
-INT8_IMPLS = ("int8_extend", "fp16_extend", "int8_kernel_tiled", "int8_kernel_per_query")
+INT8_IMPLS = ("int8_extend", "fp16_extend", "int8_kernel_tiled", "fp16_kernel_tiled", "int8_kernel_per_query")
 
 
 def int8_cases(quick):
@@ -250,9 +250,9 @@ def int8_label(c) -> str:
 
 def int8_engine(c, impl):
     """(call, setup, rows to check, reference K/V as float64): ``*_extend``: `Decoder.extend` of the T new tokens
-    (validation, quantizing write, kernel; the setup truncates back to the start, untimed); ``int8_kernel_*``:
+    (validation, quantizing write, kernel; the setup truncates back to the start, untimed); ``*_kernel_*``:
     the kernel call alone on a pool holding all start + T tokens (queries at positions start..), tiled (runs
-    to the tiled multi-query kernel) or every query through the int8 single-query kernel."""
+    to the tiled multi-query kernel) or (int8) every query through the int8 single-query kernel."""
     from decode import Decoder
     from decode.attention import _paged_decode_attention_unchecked
 
@@ -262,7 +262,7 @@ def int8_engine(c, impl):
     q = rng.standard_normal((T, hq, d), dtype=np.float32)
     K = rng.standard_normal((L, hkv, d), dtype=np.float32)
     V = rng.standard_normal((L, hkv, d), dtype=np.float32)
-    dec = Decoder(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype="float16" if impl == "fp16_extend" else "int8",
+    dec = Decoder(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype="float16" if impl.startswith("fp16") else "int8",
                   page_size=16, max_tokens=L)
     if impl.endswith("_extend"):
         if start:
@@ -284,7 +284,7 @@ def int8_engine(c, impl):
     qpos = np.arange(start, L, dtype=np.int64)
     out = np.empty((T, hq, d), dtype=np.float32)
     args = (q, cache.k_pages(), cache.v_pages(), indices, indptr, qseq, qpos, dec.scale, 0, out)
-    kw = dict(k_scales=cache.k_scales(), v_scales=cache.v_scales(), tiled=impl == "int8_kernel_tiled")
+    kw = dict(k_scales=cache.k_scales(), v_scales=cache.v_scales(), tiled=impl.endswith("_tiled"))
 
     def call():
         return _paged_decode_attention_unchecked(*args, **kw)
@@ -322,9 +322,17 @@ def test_int8_prefill(benchmark, ceilings, quick, warm_engine, int8_case):
     rounds = 1 if quick else common.choose_rounds(per_call, budget=1.5, minimum=3, maximum=200)
     benchmark.group = f"multiquery int8 {int8_label(c)}"
     common.pedantic(benchmark, fn, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
+    if impl == "int8_kernel_tiled":        # the kernel ratios under the same load: calls alternated in rounds
+        calls = {name: int8_engine(c, name)[0] for name in ("fp16_kernel_tiled", "int8_kernel_per_query")}
+        med = alternated({"int8_tiled": fn, **calls}, 1 if quick else 5)
+        benchmark.extra_info.update({"alt_int8_tiled_s": med["int8_tiled"],
+                                     "alt_fp16_tiled_s": med["fp16_kernel_tiled"],
+                                     "alt_int8_per_query_s": med["int8_kernel_per_query"],
+                                     "alt_speedup_vs_fp16_tiled": med["fp16_kernel_tiled"] / med["int8_tiled"],
+                                     "alt_speedup_vs_per_query": med["int8_kernel_per_query"] / med["int8_tiled"]})
     keys = T * start + T * (T + 1) // 2
-    itemsize = 2 if impl == "fp16_extend" else 1
+    itemsize = 2 if impl.startswith("fp16") else 1
     common.record(benchmark, ceil, 2 * (start + T) * hkv * d * itemsize, 4 * hq * d * keys, impl=impl,
                   op="prefill" if start == 0 else "extend", start=start, tokens=T, keys_attended=keys,
-                  num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype="float16" if impl == "fp16_extend" else "int8",
+                  num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype="float16" if impl.startswith("fp16") else "int8",
                   shape=int8_label(c), rounds=rounds, page_size=16)
