@@ -117,7 +117,7 @@ def batch_step(decoders, q, k, v, *, token_ids=None) -> np.ndarray:
     """
     decoders = _check_decoders(decoders)
     check_single_layer(decoders[0].config, "batch_step")
-    q = decoders[0].check_query(q, len(decoders))                   # everything checked before any reservation
-    k, v = decoders[0].check_kv(k, v, len(decoders))
-    with batch_transaction(decoders, token_ids=token_ids) as tx:
+    q, k, v = decoders[0].inputs.tokens(q, k, v, len(decoders))     # everything checked before any reservation
+    counts = _check_counts(decoders, None)
+    with DecoderTransaction(decoders, counts, _token_ids(decoders, counts, True, token_ids)) as tx:
         return tx.step(0, q, k, v, checked=True)

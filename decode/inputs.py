@@ -42,6 +42,24 @@ class InputChecks:
         # k/v stay in the caller's dtype: the write into the pool casts them (the limits made the cast safe)
         return q if q.dtype == self.q_dtype and q.flags.c_contiguous else np.ascontiguousarray(q, self.q_dtype), k, v
 
+    def tokens(self, q, k, v, count: int):
+        """One token of each of ``count`` sequences: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads,
+        head_dim]``, ``v [B, num_kv_heads, head_dim_v]`` checked as by `query` and `kv`, in one jitted pass over
+        the whole batch when they are arrays of those shapes and of float32/float64; otherwise, or to name the
+        bad argument and element (``q: ... at index (b, h, d)``: row b), by `query` and `kv`. Returns q in the
+        working precision (C-contiguous); k/v in the caller's float dtype (the write into the pool casts them:
+        the limits made the cast safe) or cast to storage."""
+        if (type(q) is type(k) is type(v) is np.ndarray and q.dtype in _JIT_FLOATS and k.dtype in _JIT_FLOATS
+                and v.dtype in _JIT_FLOATS and q.shape == (count,) + self.q_shape
+                and k.shape == (count,) + self.k_shape and v.shape == (count,) + self.v_shape):
+            limits = self._limits.get((q.dtype, k.dtype, v.dtype)) or self.input_limits(q.dtype, k.dtype, v.dtype)
+            if first_bad_input(q, k, v, *limits) < 0:
+                if q.dtype != self.q_dtype or not q.flags.c_contiguous:
+                    q = np.ascontiguousarray(q, self.q_dtype)
+                return q, k, v
+        q = self.query(q, count)
+        return (q, *self.kv(k, v, count))
+
     def input_limits(self, q_dtype, k_dtype, v_dtype) -> tuple[float, float]:
         """Magnitude limits of the jitted check for these input dtypes: finite after the cast (`overflow_limit`)
         and within the compute dtype's safe range (`magnitude_limits`); memoised per dtype triple."""

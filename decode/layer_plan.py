@@ -66,24 +66,16 @@ def plan_token(cache, pools: LayerPools, seq: int, pages: np.ndarray, position: 
     return LayerPlan(pages, indptr, _QUERY_SEQ1, qpos, partition)
 
 
-def plan_batch(cache, pools: LayerPools, seqs: list, tables: list, start: list, counts: list, q_shape: tuple,
-               window: int, query_seq: np.ndarray, query_pos: np.ndarray) -> LayerPlan:
+def plan_batch(cache, pools: LayerPools, seqs: list, indices: np.ndarray, indptr: np.ndarray, start: list,
+               counts: list, q_shape: tuple, window: int, query_seq: np.ndarray, query_pos: np.ndarray) -> LayerPlan:
     """The plan of ``q_shape = (N, num_q_heads, head_dim)`` ragged queries (``counts[b]`` of sequence ``seqs[b]``
-    from position ``start[b]`` on, page table ``tables[b]``): a DecodePlan (one query per sequence), a RunsPlan
-    when every query is in a run of several queries of one sequence, else None."""
-    size = cache.config.page_size
+    from position ``start[b]`` on) over the page tables ``indices`` / ``indptr`` (CSR, row b: ``seqs[b]``): a
+    DecodePlan (one query per sequence), a RunsPlan when every query is in a run of several queries of one
+    sequence, else None. ValueError if a sequence's first query would read a released page."""
     num_queries = q_shape[0]
-    for i, table in enumerate(tables):        # every decoder's first query reads from lo on (if it has one)
-        first = max(0, start[i] - window + 1) if window else 0
-        if num_queries and counts[i] and table[first // size] < 0:
-            raise_released(cache, seqs[i], first, start[i])
-    if len(tables) == 1:
-        indices, indptr = tables[0], np.array([0, len(tables[0])], dtype=np.int64)
-    else:
-        indices = np.concatenate(tables)
-        indptr = np.zeros(len(tables) + 1, dtype=np.int64)
-        np.cumsum([len(t) for t in tables], out=indptr[1:])
-    one_per_sequence = num_queries <= len(tables) and max(counts) <= 1
+    if num_queries:
+        check_held(cache, seqs, indices, indptr, np.asarray(start, dtype=np.int64), np.asarray(counts) > 0, window)
+    one_per_sequence = num_queries <= len(seqs) and max(counts) <= 1
     if pools.int8 or not num_queries:
         partition = None
     elif one_per_sequence:
@@ -92,6 +84,27 @@ def plan_batch(cache, pools: LayerPools, seqs: list, tables: list, start: list, 
         runs = RunsPlan(query_seq, query_pos, window, q_shape, pools.v[0])
         partition = runs if len(runs.rest) == 0 else None
     return LayerPlan(indices, indptr, query_seq, query_pos, partition)
+
+
+def csr(tables: list) -> tuple[np.ndarray, np.ndarray]:
+    """Page tables ``[int32 [n_b]]`` -> ``(indices int32 [sum n_b], indptr int64 [B + 1])``."""
+    if len(tables) == 1:
+        return tables[0], np.array([0, len(tables[0])], dtype=np.int64)
+    indptr = np.zeros(len(tables) + 1, dtype=np.int64)
+    np.cumsum([len(t) for t in tables], out=indptr[1:])
+    return np.concatenate(tables), indptr
+
+
+def check_held(cache, seqs: list, indices: np.ndarray, indptr: np.ndarray, start: np.ndarray, reads: np.ndarray,
+               window: int) -> None:
+    """ValueError (`raise_released`) for the first row b with ``reads[b]`` whose first query (at ``start[b]``)
+    would read a page released by `KVCache.release_before` (-1); one vectorised pass over the rows."""
+    rows = np.flatnonzero(reads)
+    first = np.maximum(start[rows] - window + 1, 0) if window else np.zeros(len(rows), dtype=np.int64)
+    bad = np.flatnonzero(indices[indptr[rows] + first // cache.config.page_size] < 0)
+    if len(bad):
+        b = int(rows[bad[0]])
+        raise_released(cache, seqs[b], int(first[bad[0]]), int(start[b]))
 
 
 def attend_token(decoder, token, layer: int, q, k, v, plan: LayerPlan | None = None) -> tuple[np.ndarray, LayerPlan]:

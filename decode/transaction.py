@@ -7,7 +7,7 @@ import numpy as np
 
 from . import window as _window
 from .inputs import check_tokens, split_ragged
-from .layer_plan import attend_token, plan_batch
+from .layer_plan import attend_token, csr, plan_batch
 
 
 class DecoderTransaction:
@@ -25,12 +25,17 @@ class DecoderTransaction:
         self.decoders = decoders
         self.cache = decoders[0].cache
         self.num_tokens = num_tokens
-        self._single_token = len(decoders) == 1 and num_tokens[decoders[0].seq] == 1
+        self._counts = [num_tokens[d.seq] for d in decoders]
+        self._single_token = len(decoders) == 1 and self._counts[0] == 1
+        self._one_each = len(decoders) > 1 and all(c == 1 for c in self._counts)
         self._plans = {}                # number of queries -> `decode.layer_plan.LayerPlan`, see `_attend`
         self._token_plan = None         # the one-token path's plan (`attend_token`)
         if self._single_token:          # reserve (CacheFullError and bad ids leave everything as it was)
             self._tx = self.cache.begin_token(decoders[0].seq, token_id=(token_ids or {}).get(decoders[0].seq))
             self.start = [self._tx.position]
+        elif self._one_each:            # one token each: `kvcache.TokenBatch` (one scatter per layer)
+            self._tx = self.cache.begin_tokens([d.seq for d in decoders], token_ids=token_ids)
+            self.start = self._tx.positions.tolist()
         else:
             self._tx = self.cache.transaction(num_tokens, token_ids=token_ids)
             self.start = [self._tx.start[d.seq] for d in decoders]
@@ -77,33 +82,41 @@ class DecoderTransaction:
         def run():
             qs, ks, vs = (q, k, v) if checked else self.check_tokens(q, k, v)
             self._write_all(layer, ks, vs)
-            out = self._attend(layer, qs, self._query_seq(), self._query_pos())
-            return split_ragged(out, self.counts) if isinstance(q, (list, tuple)) else out
+            out = self._attend(layer, qs)
+            return split_ragged(out, self._counts) if isinstance(q, (list, tuple)) else out
         return self._guard(run)
 
     def check_tokens(self, q, k, v):
         """`decode.inputs.check_tokens` for this transaction's decoders and token counts."""
-        return check_tokens(self.decoders, self.counts, q, k, v)
+        return check_tokens(self.decoders, self._counts, q, k, v)
 
     @property
     def counts(self) -> list[int]:
         """New tokens of each decoder, in decoder order."""
-        return [self.num_tokens[d.seq] for d in self.decoders]
+        return list(self._counts)
 
     def _write_all(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store checked ragged ``k [N, H, D]``, ``v [N, H, Dv]`` (storage dtype), decoder by decoder."""
+        """Store checked ragged ``k [N, H, D]``, ``v [N, H, Dv]`` (storage dtype), decoder by decoder (one
+        scatter for one token each)."""
+        if self._one_each:
+            self._tx.write(layer, k, v)
+            return
         offset = 0
-        for b, count in enumerate(self.counts):
+        for b, count in enumerate(self._counts):
             self._write(layer, b, k[offset:offset + count], v[offset:offset + count])
             offset += count
 
     def _query_seq(self) -> np.ndarray:
         """int32 [N]: the page-table row (decoder index) of each ragged query."""
-        return np.repeat(np.arange(len(self.decoders), dtype=np.int32), self.counts)
+        if self._one_each:
+            return np.arange(len(self.decoders), dtype=np.int32)
+        return np.repeat(np.arange(len(self.decoders), dtype=np.int32), self._counts)
 
     def _query_pos(self) -> np.ndarray:
         """int64 [N]: the absolute position of each ragged query (decoder b's start + t)."""
-        counts = self.counts
+        counts = self._counts
+        if self._one_each:
+            return self._tx.positions
         if len(counts) == 1:
             return np.arange(self.start[0], self.start[0] + counts[0], dtype=np.int64)
         return np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in zip(self.start, counts)])
@@ -113,24 +126,29 @@ class DecoderTransaction:
         ``v [B, num_kv_heads, head_dim_v]`` with B = number of decoders (the B axis may be dropped for one
         decoder) -> ``[B, num_q_heads, head_dim_v]``. ``checked``: ``[B, ...]`` arrays validated and cast by
         `Decoder.check_query` / `check_kv` already."""
-        if self._single_token and np.ndim(q) == 2:
-            return self._guard(lambda: self._step_one(layer, q, k, v))
+        if self._single_token and (q.ndim if type(q) is np.ndarray else np.ndim(q)) == 2:
+            try:                                    # `_guard`, inlined: the per-layer path of a decode step
+                if not self._open:
+                    raise RuntimeError("transaction: expected an open transaction, got one already finished")
+                dec = self.decoders[0]
+                q, k, v = dec.inputs.token(q, k, v)
+                out, self._token_plan = attend_token(dec, self._tx, layer, q, k, v, self._token_plan)
+                return out
+            except BaseException:
+                if self._open:
+                    self.rollback()
+                raise
         return self._guard(lambda: self._step_batch(layer, q, k, v, checked))
-
-    def _step_one(self, layer, q, k, v) -> np.ndarray:
-        dec = self.decoders[0]
-        q, k, v = dec.inputs.token(q, k, v)
-        out, self._token_plan = attend_token(dec, self._tx, layer, q, k, v, self._token_plan)
-        return out
 
     def _step_batch(self, layer, q, k, v, checked: bool = False) -> np.ndarray:
         count = len(self.decoders)
         if not checked:
-            q = self.decoders[0].check_query(q, count)
-            k, v = self.decoders[0].check_kv(k, v, count)               # [B, H, D]: one token per sequence
-        for i in range(count):
-            self._write(layer, i, k[i:i + 1], v[i:i + 1])
-        return self._attend(layer, q, np.arange(count, dtype=np.int32), np.array(self.start, dtype=np.int64))
+            q, k, v = self.decoders[0].inputs.tokens(q, k, v, count)     # [B, H, D]: one token per sequence
+        if not (self._one_each or self._single_token):
+            raise ValueError(f"step: expected a transaction of one new token per decoder, got num_tokens "
+                             f"{self._counts} (use extend)")
+        self._write_all(layer, k, v)
+        return self._attend(layer, q)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
     def _guard(self, run):
@@ -151,18 +169,23 @@ class DecoderTransaction:
         else:
             self._tx.write(layer, self.decoders[index].seq, k, v, checked=True)
 
-    def _pages(self, index: int) -> np.ndarray:
-        return self._tx.pages() if self._single_token else self._tx.pages(self.decoders[index].seq)
+    def _page_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(indices int32, indptr int64 [B + 1])``: the decoders' page tables (reserved pages included), CSR."""
+        if self._one_each:
+            return self._tx.indices, self._tx.indptr
+        if self._single_token:
+            return csr([self._tx.pages()])
+        return csr([self._tx.pages(d.seq) for d in self.decoders])
 
-    def _attend(self, layer, q, query_seq, query_pos) -> np.ndarray:
-        """One kernel call: ``q [num_queries, num_q_heads, head_dim]`` over the decoders' page tables. The tables
-        (checked: no released page visible) and the work partition are made on the first layer and reused."""
+    def _attend(self, layer, q) -> np.ndarray:
+        """One kernel call: ``q [num_queries, num_q_heads, head_dim]`` (the ragged queries) over the decoders'
+        page tables. The tables (checked: no released page visible), positions and the work partition are made
+        on the first layer and reused."""
         dec = self.decoders[0]
         plan = self._plans.get(len(q))
         if plan is None:
-            tables = [self._pages(i) for i in range(len(self.decoders))]
-            plan = self._plans[len(q)] = plan_batch(self.cache, dec.pools, [d.seq for d in self.decoders], tables,
-                                                    self.start, self.counts, q.shape, dec.window, query_seq,
-                                                    query_pos)
+            plan = self._plans[len(q)] = plan_batch(self.cache, dec.pools, [d.seq for d in self.decoders],
+                                                    *self._page_tables(), self.start, self._counts, q.shape,
+                                                    dec.window, self._query_seq(), self._query_pos())
         out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
         return plan.run(dec.pools, layer, q, dec.scale, dec.window, out)

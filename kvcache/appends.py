@@ -18,7 +18,9 @@ def append_seam(core: CacheCore) -> AppendSeam:
     """The seam of ``core`` for its transactions and token writes."""
     return AppendSeam(lock=core.lock, idle_sequence=core.idle_sequence, sequence=core.sequence,
                       needs_copy=core.needs_copy, reserve=partial(reserve, core), write=partial(write, core),
-                      write_slot=partial(write_slot, core), publish=partial(publish, core), fault=core.fault)
+                      slot_rows=core.pool.slot_rows, write_token=partial(write_token, core),
+                      write_rows=partial(write_rows, core), restore_rows=core.pool.restore_rows,
+                      publish=partial(publish, core), fault=core.fault)
 
 
 def reserve(core: CacheCore, num_tokens: dict[int, int], journal: Journal) -> None:
@@ -70,11 +72,17 @@ def write(core: CacheCore, layer: int, seq: int, start: int, k: np.ndarray, v: n
         done += count
 
 
-def write_slot(core: CacheCore, layer: int, page: int, offset: int, k: np.ndarray, v: np.ndarray, saved: list) -> None:
-    """Write one token's ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` at ``(page, offset)``
-    of ``layer``, appending ``(view, old bytes)`` to ``saved``."""
-    core.pool.write(layer, page, offset, k[:, None], v[:, None], core.fault_hook,
-                    saved=saved)                                       # [num_kv_heads, 1, head_dim]
+def write_token(core: CacheCore, slot: tuple, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+    """Store one token's checked ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` in ``layer`` of
+    ``slot`` (`PagePool.slot_rows`; the caller saved its bytes)."""
+    core.pool.write_token(slot, layer, k, v, core.fault_hook)
+
+
+def write_rows(core: CacheCore, layer: int, pages: np.ndarray, offsets: np.ndarray, k: np.ndarray, v: np.ndarray,
+               saved: list) -> None:
+    """Store one token per row (`PagePool.write_rows`): ``k [B, num_kv_heads, head_dim]`` at slot ``offsets[b]``
+    of ``pages[b]``, the old rows appended to ``saved``."""
+    core.pool.write_rows(layer, pages, offsets, k, v, core.fault_hook, saved)
 
 
 def publish(core: CacheCore, num_tokens: dict[int, int], start: dict[int, int], token_ids: dict | None = None) -> None:

@@ -39,6 +39,7 @@ from .core import CacheCore
 from .prefix import PrefixIndex, check_namespace, check_token_ids
 from .sequence import Sequence
 from .token import TokenWrite
+from .token_batch import TokenBatch
 from .transaction import Transaction
 
 
@@ -257,6 +258,24 @@ class KVCache:
         ids = None if token_id is None else check_token_ids("token_id", np.atleast_1d(token_id), 1)
         return TokenWrite(self, self._seam, seq, ids)
 
+
+    def begin_tokens(self, seqs, *, token_ids=None) -> TokenBatch:
+        """Reserve position `length` of each of ``seqs`` (distinct sequence ids) for one token each (the batched
+        decode step); see `TokenBatch`. ``token_ids`` (optional): ``{seq: id}`` for some or all of them, for
+        prefix caching. `CacheFullError` (and every argument error, checked first) with nothing changed."""
+        if not isinstance(seqs, (list, tuple)) or not seqs:
+            raise TypeError(f"seqs: expected a non-empty list of sequence ids, got {seqs!r}")
+        for seq in seqs:
+            self._sequence(seq)                               # names a bad id
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
+        ids = None
+        if token_ids is not None:
+            if not isinstance(token_ids, dict):
+                raise TypeError(f"token_ids: expected a dict {{seq: token id}}, got {type(token_ids).__name__}")
+            ids = self._check_token_ids({seq: np.atleast_1d(i) for seq, i in token_ids.items()},
+                                        dict.fromkeys(map(int, seqs), 1))
+        return TokenBatch(self, self._seam, [int(seq) for seq in seqs], ids)
 
     # -- prefix reuse -------------------------------------------------------------------------------------
     def match_prefix(self, token_ids, *, namespace=None) -> PrefixMatch:

@@ -18,8 +18,14 @@ call:
 ``write(layer, seq, start, k, v, journal)``   store ``k [T, num_kv_heads, head_dim]``, ``v [T, ..., head_dim_v]``
                                               (storage dtype, checked) at positions ``start ..`` of ``seq``,
                                               saving the overwritten bytes in ``journal``
-``write_slot(layer, page, offset, k, v, saved)``  store one token's ``k [num_kv_heads, head_dim]``, ``v`` at
-                                              ``(page, offset)``, appending ``(view, old bytes)`` pairs to ``saved``
+``slot_rows(page, offset) -> slot``           one slot in every layer: ``(views, pages, offsets)``, the views
+                                              ``[num_layers, num_kv_heads, width]`` of every page array (k, v;
+                                              int8: the scales too) to save, see `PagePool.slot_rows`
+``write_token(slot, layer, k, v)``            store one token's ``k [num_kv_heads, head_dim]``, ``v`` into
+                                              ``layer`` of ``slot`` (the caller saved its bytes)
+``write_rows(layer, pages, offsets, k, v, saved)``  store one token per row ``k [B, num_kv_heads, head_dim]``
+                                              at slot ``offsets[b]`` of ``pages[b]``, saving the old rows in
+                                              ``saved``; ``restore_rows(saved)`` undoes it
 ``publish(num_tokens, start, token_ids)``     the commit: register pages that became full with known token ids
                                               (prefix caching), then the fault point "publish", then the new
                                               lengths; a failure before the lengths change undoes its own work
@@ -37,6 +43,9 @@ class AppendSeam:
     needs_copy: Callable
     reserve: Callable
     write: Callable
-    write_slot: Callable
+    slot_rows: Callable
+    write_token: Callable
+    write_rows: Callable
+    restore_rows: Callable
     publish: Callable
     fault: Callable

@@ -17,6 +17,7 @@ import numpy as np
 from . import quant
 from .checks import cast_to_storage
 from .config import CacheConfig
+from .halfcast import as_f32_bits, store_kv_f16
 from .journal import Journal
 
 
@@ -34,6 +35,8 @@ class PagePool:
         else:
             self.k_scales = self.v_scales = None
             self.arrays = (self.k, self.v)
+        self.half = cfg.dtype == np.float16       # float32 input is stored by the jitted `kvcache.halfcast`
+        self.k16, self.v16 = (self.k.view(np.uint16), self.v.view(np.uint16)) if self.half else (None, None)
 
     @property
     def nbytes(self) -> int:
@@ -71,6 +74,64 @@ class PagePool:
                     saved.append((dst, dst.copy()))
             for dst, data in zip(targets, sources):
                 dst[...] = data
+
+    def slot_rows(self, page: int, offset: int) -> tuple:
+        """One token's slot in every layer: ``(views, pages, offsets)`` with ``views`` the ``[num_layers,
+        num_kv_heads, width]`` rows of slot ``offset`` of ``page`` in every array (k, v; int8: k_scales, v_scales
+        too), and ``pages`` / ``offsets`` int64 [1] for the jitted store (`write_token`)."""
+        return (tuple(array[:, page, :, offset] for array in self.arrays), np.array([page], dtype=np.int64),
+                np.array([offset], dtype=np.int64))
+
+    def write_token(self, slot: tuple, layer: int, k: np.ndarray, v: np.ndarray, fault_hook) -> None:
+        """Store one token's checked ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` into
+        ``layer`` of ``slot`` (`slot_rows`), passing the fault points "write_k" / "write_v" first; the caller
+        saved the slot's bytes. float32 into float16 storage: one jitted store of both."""
+        rows = slot[0]
+        fault_hook("write_k")
+        if self.half:
+            kb, vb = as_f32_bits(k), as_f32_bits(v)
+            if kb is not None and vb is not None:
+                fault_hook("write_v")
+                store_kv_f16(self.k16, self.v16, layer, slot[1], slot[2], kb[None], vb[None])
+                return
+        if self.quantized:
+            rows[0][layer], rows[2][layer] = quant.quantize(k)
+            fault_hook("write_v")
+            rows[1][layer], rows[3][layer] = quant.quantize(v)
+        else:
+            rows[0][layer] = k
+            fault_hook("write_v")
+            rows[1][layer] = v
+
+    def write_rows(self, layer: int, pages: np.ndarray, offsets: np.ndarray, k: np.ndarray, v: np.ndarray,
+                   fault_hook, saved: list) -> None:
+        """Store one token per row: ``k [B, num_kv_heads, head_dim]``, ``v [B, num_kv_heads, head_dim_v]``
+        (checked) at slot ``offsets[b]`` of ``pages[b]`` (distinct slots), in one scatter per array. Before
+        each of K and V the fault point "write_k" / "write_v" is passed; ``(array, pages, offsets, old rows)``
+        go to ``saved`` (`restore_rows` puts them back)."""
+        if self.half:
+            kb, vb = as_f32_bits(k), as_f32_bits(v)
+            if kb is not None and vb is not None:                     # float32 -> float16: one jitted store
+                fault_hook("write_k")
+                fault_hook("write_v")
+                for array in (self.k[layer], self.v[layer]):
+                    saved.append((array, pages, offsets, array[pages, :, offsets]))     # [B, H, X]
+                store_kv_f16(self.k16, self.v16, layer, pages, offsets, kb, vb)
+                return
+        for name, values, scales, src in (("write_k", self.k, self.k_scales, k),
+                                          ("write_v", self.v, self.v_scales, v)):
+            fault_hook(name)
+            pairs = (((values[layer], src),) if scales is None
+                     else tuple(zip((values[layer], scales[layer]), quant.quantize(src))))
+            for array, data in pairs:                                  # array [num_pages, H, page_size, X]
+                saved.append((array, pages, offsets, array[pages, :, offsets]))     # [B, H, X]
+                array[pages, :, offsets] = data
+
+    @staticmethod
+    def restore_rows(saved: list) -> None:
+        """Undo `write_rows` (newest first)."""
+        for array, pages, offsets, old in reversed(saved):
+            array[pages, :, offsets] = old
 
     def copy_page(self, old_page: int, new_page: int, journal: Journal) -> None:
         """Copy every array's ``[:, old_page]`` onto ``[:, new_page]`` (all layers), journaled."""

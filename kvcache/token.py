@@ -21,11 +21,13 @@ class TokenWrite:
     """One reserved slot at position ``length`` of ``seq``; `write` each layer, then `commit` (or `rollback`)."""
 
     __slots__ = ("cache", "seq", "_seam", "_s", "position", "page", "offset", "_journal", "_saved", "_written",
-                 "_token_ids", "state")
+                 "_token_ids", "_rows", "_num_layers", "state")
 
     def __init__(self, cache: "KVCache", seam: AppendSeam, seq: int, token_id=None):
         self.cache, self.seq, self._seam = cache, seq, seam
-        self._saved: list = []
+        self._saved: list = []              # (view, old bytes): the slot's rows in every layer, saved at the first write
+        self._rows = None                   # the slot in every layer (`PagePool.slot_rows`)
+        self._num_layers = cache.config.num_layers
         self._written = 0
         self._token_ids = None if token_id is None else {seq: token_id}     # int32 [1], checked by the cache
         with seam.lock:
@@ -49,13 +51,19 @@ class TokenWrite:
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` in ``layer``; a failure rolls
         the token back. They must be validated already (shape, float dtype, finite once cast to the storage
-        dtype; int8: within `kvcache.quant.MAX_ABS`): the write into the pool casts (or quantizes) them."""
-        cache = self.cache
+        dtype; int8: within `kvcache.quant.MAX_ABS`): the write into the pool casts (or quantizes) them.
+        The first write saves the slot's bytes in every layer (one copy), each write then stores one layer."""
         try:
-            self._require_open()
-            if type(layer) is not int or not 0 <= layer < cache.config.num_layers:
-                layer = check_int("layer", layer, maximum=cache.config.num_layers - 1)
-            self._seam.write_slot(layer, self.page, self.offset, k, v, self._saved)
+            if self.state != "open":
+                self._require_open()
+            if type(layer) is not int or not 0 <= layer < self._num_layers:
+                layer = check_int("layer", layer, maximum=self._num_layers - 1)
+            slot = self._rows
+            if slot is None:
+                slot = self._seam.slot_rows(self.page, self.offset)
+                self._saved = [(view, view.copy()) for view in slot[0]]
+                self._rows = slot
+            self._seam.write_token(slot, layer, k, v)
             self._written |= 1 << layer
         except BaseException:
             self.rollback()
@@ -67,9 +75,8 @@ class TokenWrite:
 
     def commit(self) -> None:
         self._require_open()
-        cache = self.cache
         try:
-            if self._written != (1 << cache.config.num_layers) - 1:
+            if self._written != (1 << self._num_layers) - 1:
                 raise ValueError(f"commit: expected every layer written, got layer mask {self._written:b}")
             with self._seam.lock:
                 self._seam.publish({self.seq: 1}, {self.seq: self.position}, self._token_ids)

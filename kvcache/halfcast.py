@@ -1,0 +1,60 @@
+"""float32 -> float16 stores into the page pool, jitted: NumPy's float16 cast runs ~10 ns an element (no F16C),
+the decode step's one-token write was most of its time beyond the kernel. Bit for bit NumPy's
+``astype(np.float16)`` (round to nearest, ties to even; subnormals; inf above the range), tested against it.
+
+    store_kv_f16(k16, v16, layer, pages, offsets, k_bits, v_bits)
+
+``k16 [num_layers, num_pages, num_kv_heads, page_size, head_dim]`` uint16 (the float16 pool viewed as its
+bits), ``v16`` likewise (head_dim_v); ``pages``, ``offsets`` int64 [B]: row b goes to slot ``offsets[b]`` of
+``pages[b]`` in ``layer``; ``k_bits [B, num_kv_heads, head_dim]`` uint32 (float32 values viewed as bits),
+``v_bits`` likewise.
+"""
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True, inline="always")
+def f32_bits_to_f16(x):
+    """float32 bits (uint32) -> float16 bits (as an int), rounded to nearest even like NumPy."""
+    sign = (x >> 16) & 0x8000
+    a = x & 0x7fffffff
+    if a >= 0x38800000:                            # >= 2**-14: a normal float16, inf, or nan
+        if a >= 0x7f800000:
+            return sign | (0x7e00 if a > 0x7f800000 else 0x7c00)
+        r = (a >> 13) - 0x1c000                    # exponent rebias 127 -> 15 (112 << 10), 10 mantissa bits
+        rest = a & 0x1fff
+        if rest > 0x1000 or (rest == 0x1000 and (r & 1)):
+            r += 1                                 # a carry into the exponent is right (up to inf)
+        return sign | min(r, 0x7c00)
+    if a < 0x33000000:                             # < 2**-25: rounds to zero (2**-25 itself: tie to even 0)
+        return sign
+    mant = (a & 0x7fffff) | 0x800000               # value = mant * 2**(e - 150); in units of 2**-24: mant >> shift
+    shift = 126 - (a >> 23)
+    r = mant >> shift
+    rest = mant & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    if rest > half or (rest == half and (r & 1)):
+        r += 1
+    return sign | r
+
+
+@njit(cache=True, nogil=True)
+def store_kv_f16(k16, v16, layer, pages, offsets, k_bits, v_bits):
+    """See the module docstring."""
+    for b in range(pages.shape[0]):
+        page, offset = pages[b], offsets[b]
+        for h in range(k_bits.shape[1]):
+            for i in range(k_bits.shape[2]):
+                k16[layer, page, h, offset, i] = np.uint16(f32_bits_to_f16(k_bits[b, h, i]))
+            for i in range(v_bits.shape[2]):
+                v16[layer, page, h, offset, i] = np.uint16(f32_bits_to_f16(v_bits[b, h, i]))
+
+
+_F32 = np.dtype(np.float32)
+
+
+def as_f32_bits(x: np.ndarray) -> np.ndarray | None:
+    """``x`` (float32) viewed as uint32 bits, C-contiguous; None for another dtype."""
+    if x.dtype != _F32:
+        return None
+    return (x if x.flags.c_contiguous else np.ascontiguousarray(x)).view(np.uint32)
