@@ -17,12 +17,15 @@ class LayerPools:
     """Per-layer views of a cache's pages: ``k[layer] [num_pages, num_kv_heads, page_size, head_dim]``,
     ``v[layer]`` (``head_dim_v``), int8 scales ``k_scales[layer]`` / ``v_scales[layer]`` (None for floats)."""
 
-    __slots__ = ("k", "v", "k_scales", "v_scales", "int8")
+    __slots__ = ("k", "v", "k_run", "v_run", "k_scales", "v_scales", "int8")
 
     def __init__(self, cache):
         layers = range(cache.config.num_layers)
         self.k = [cache.k_pages(layer) for layer in layers]
         self.v = [cache.v_pages(layer) for layer in layers]
+        # what the kernels are handed: float16 pages as their uint16 bits (the view every kernel entry makes)
+        self.k_run = [k.view(np.uint16) if k.dtype == np.float16 else k for k in self.k]
+        self.v_run = [v.view(np.uint16) if v.dtype == np.float16 else v for v in self.v]
         self.k_scales = [cache.k_scales(layer) for layer in layers]
         self.v_scales = [cache.v_scales(layer) for layer in layers]
         self.int8 = self.k_scales[0] is not None
@@ -32,22 +35,23 @@ class LayerPlan:
     """One kernel call's shared arguments: ``indices``, ``indptr``, ``query_seq int32 [N]``, ``query_pos int64
     [N]`` and ``partition`` (DecodePlan / RunsPlan / None, see the module docstring)."""
 
-    __slots__ = ("indices", "indptr", "query_seq", "query_pos", "partition")
+    __slots__ = ("indices", "indptr", "query_seq", "query_pos", "partition", "out_shape")
 
-    def __init__(self, indices, indptr, query_seq, query_pos, partition):
+    def __init__(self, indices, indptr, query_seq, query_pos, partition, out_shape=None):
         self.indices, self.indptr, self.partition = indices, indptr, partition
         self.query_seq, self.query_pos = query_seq, query_pos
+        self.out_shape = out_shape              # (N, num_q_heads, head_dim_v), for the one-token path
 
     def run(self, pools: LayerPools, layer: int, q: np.ndarray, scale: float, window: int,
             out: np.ndarray) -> np.ndarray:
         """Attend ``q [N, num_q_heads, head_dim]`` (checked, working precision) in ``layer`` into ``out [N,
         num_q_heads, head_dim_v]``; returns out."""
         if self.partition is None:
-            return _paged_decode_attention_unchecked(q, pools.k[layer], pools.v[layer], self.indices, self.indptr,
-                                                     self.query_seq, self.query_pos, scale, window, out,
+            return _paged_decode_attention_unchecked(q, pools.k_run[layer], pools.v_run[layer], self.indices,
+                                                     self.indptr, self.query_seq, self.query_pos, scale, window, out,
                                                      k_scales=pools.k_scales[layer], v_scales=pools.v_scales[layer])
-        return self.partition.run(q, pools.k[layer], pools.v[layer], self.indices, self.indptr, self.query_seq,
-                                  self.query_pos, scale, window, out)
+        return self.partition.run(q, pools.k_run[layer], pools.v_run[layer], self.indices, self.indptr,
+                                  self.query_seq, self.query_pos, scale, window, out)
 
 
 _QUERY_SEQ1 = np.zeros(1, dtype=np.int32)          # one query of CSR row 0 (read only)
@@ -63,7 +67,7 @@ def plan_token(cache, pools: LayerPools, seq: int, pages: np.ndarray, position: 
     indptr = np.array([0, len(pages)], dtype=np.int64)
     qpos = np.array([position], dtype=np.int64)
     partition = None if pools.int8 else plan_decode(qpos, window, (1, num_q_heads, cache.config.head_dim), pools.v[0])
-    return LayerPlan(pages, indptr, _QUERY_SEQ1, qpos, partition)
+    return LayerPlan(pages, indptr, _QUERY_SEQ1, qpos, partition, (1, num_q_heads, cache.config.head_dim_v))
 
 
 def plan_batch(cache, pools: LayerPools, seqs: list, indices: np.ndarray, indptr: np.ndarray, start: list,
@@ -116,7 +120,7 @@ def attend_token(decoder, token, layer: int, q, k, v, plan: LayerPlan | None = N
     if plan is None:
         plan = plan_token(decoder.cache, decoder.pools, decoder.seq, token.pages(), token.position,
                           decoder.num_q_heads, decoder.window)
-    out = np.empty((1, decoder.num_q_heads, decoder.cache.config.head_dim_v), dtype=decoder.q_dtype)
+    out = np.empty(plan.out_shape, dtype=decoder.q_dtype)
     return plan.run(decoder.pools, layer, q[None], decoder.scale, decoder.window, out)[0], plan
 
 

@@ -16,7 +16,8 @@ from .sequence import Sequence
 
 def append_seam(core: CacheCore) -> AppendSeam:
     """The seam of ``core`` for its transactions and token writes."""
-    return AppendSeam(lock=core.lock, idle_sequence=core.idle_sequence, sequence=core.sequence,
+    return AppendSeam(lock=core.lock, idle_sequence=core.idle_sequence, idle_sequences=core.idle_sequences,
+                      sequence=core.sequence,
                       needs_copy=core.needs_copy, reserve=partial(reserve, core), write=partial(write, core),
                       slot_rows=core.pool.slot_rows, write_token=partial(write_token, core),
                       write_rows=partial(write_rows, core), restore_rows=core.pool.restore_rows,

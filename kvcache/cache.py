@@ -258,15 +258,15 @@ class KVCache:
         ids = None if token_id is None else check_token_ids("token_id", np.atleast_1d(token_id), 1)
         return TokenWrite(self, self._seam, seq, ids)
 
-
     def begin_tokens(self, seqs, *, token_ids=None) -> TokenBatch:
         """Reserve position `length` of each of ``seqs`` (distinct sequence ids) for one token each (the batched
         decode step); see `TokenBatch`. ``token_ids`` (optional): ``{seq: id}`` for some or all of them, for
         prefix caching. `CacheFullError` (and every argument error, checked first) with nothing changed."""
         if not isinstance(seqs, (list, tuple)) or not seqs:
             raise TypeError(f"seqs: expected a non-empty list of sequence ids, got {seqs!r}")
-        for seq in seqs:
-            self._sequence(seq)                               # names a bad id
+        if not all(type(seq) is int for seq in seqs):         # plain ints: their ids are checked by `TokenBatch`
+            for seq in seqs:
+                self._sequence(seq)                           # names a bad id
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
         ids = None

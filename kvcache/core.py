@@ -56,6 +56,20 @@ class CacheCore:
             raise RuntimeError(f"seq: expected a sequence with no open transaction, got {seq} (in a transaction)")
         return s
 
+    def idle_sequences(self, seqs: list) -> list[Sequence]:
+        """`idle_sequence` of each of ``seqs``: one dict lookup each for plain int ids of idle sequences, else the
+        one-by-one checks (which raise the named error of the first bad id)."""
+        table = self.sequences
+        found = None
+        if all(type(seq) is int for seq in seqs):
+            try:
+                found = [table[seq] for seq in seqs]
+            except KeyError:
+                pass
+        if found is None or any(s.busy for s in found):
+            return [self.idle_sequence(seq) for seq in seqs]
+        return found
+
     # -- pages --------------------------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:

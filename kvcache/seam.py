@@ -9,6 +9,7 @@ call:
                                               publish)
 ``idle_sequence(seq) -> Sequence``            the live sequence with no open transaction (ValueError/TypeError
                                               for a bad id, RuntimeError for a busy one)
+``idle_sequences(seqs) -> list[Sequence]``    `idle_sequence` of each (one dict lookup each when all are fine)
 ``sequence(seq) -> Sequence``                 the live sequence, busy or not
 ``needs_copy(page) -> bool``                  whether a write into ``page`` must copy it first (shared with
                                               another sequence, or registered in the prefix index: immutable)
@@ -39,6 +40,7 @@ from typing import Callable
 class AppendSeam:
     lock: object
     idle_sequence: Callable
+    idle_sequences: Callable
     sequence: Callable
     needs_copy: Callable
     reserve: Callable

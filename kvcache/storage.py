@@ -17,8 +17,10 @@ import numpy as np
 from . import quant
 from .checks import cast_to_storage
 from .config import CacheConfig
-from .halfcast import as_f32_bits, store_kv_f16
+from .jit_store import as_f32_bits, scatter_kv, scatter_kv_f16, store_kv_f16
 from .journal import Journal
+
+_JIT_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class PagePool:
@@ -35,7 +37,7 @@ class PagePool:
         else:
             self.k_scales = self.v_scales = None
             self.arrays = (self.k, self.v)
-        self.half = cfg.dtype == np.float16       # float32 input is stored by the jitted `kvcache.halfcast`
+        self.half = cfg.dtype == np.float16       # float32 input is stored by the jitted `kvcache.jit_store`
         self.k16, self.v16 = (self.k.view(np.uint16), self.v.view(np.uint16)) if self.half else (None, None)
 
     @property
@@ -111,13 +113,24 @@ class PagePool:
         go to ``saved`` (`restore_rows` puts them back)."""
         if self.half:
             kb, vb = as_f32_bits(k), as_f32_bits(v)
-            if kb is not None and vb is not None:                     # float32 -> float16: one jitted store
+            if kb is not None and vb is not None:                     # float32 -> float16: one jitted scatter
                 fault_hook("write_k")
                 fault_hook("write_v")
-                for array in (self.k[layer], self.v[layer]):
-                    saved.append((array, pages, offsets, array[pages, :, offsets]))     # [B, H, X]
-                store_kv_f16(self.k16, self.v16, layer, pages, offsets, kb, vb)
+                k16, v16 = self.k16[layer], self.v16[layer]
+                k_old, v_old = np.empty(kb.shape, np.uint16), np.empty(vb.shape, np.uint16)
+                saved.append((k16, pages, offsets, k_old))
+                saved.append((v16, pages, offsets, v_old))
+                scatter_kv_f16(k16, v16, pages, offsets, kb, vb, k_old, v_old)
                 return
+        elif not self.quantized and k.dtype in _JIT_FLOATS and v.dtype in _JIT_FLOATS:   # one jitted scatter
+            fault_hook("write_k")
+            fault_hook("write_v")
+            k_dst, v_dst = self.k[layer], self.v[layer]
+            k_old, v_old = np.empty(k.shape, k_dst.dtype), np.empty(v.shape, v_dst.dtype)
+            saved.append((k_dst, pages, offsets, k_old))
+            saved.append((v_dst, pages, offsets, v_old))
+            scatter_kv(k_dst, v_dst, pages, offsets, k, v, k_old, v_old)
+            return
         for name, values, scales, src in (("write_k", self.k, self.k_scales, k),
                                           ("write_v", self.v, self.v_scales, v)):
             fault_hook(name)

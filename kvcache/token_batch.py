@@ -36,7 +36,7 @@ class TokenBatch:
         self._token_ids = token_ids or None           # {seq: int32 [1]}, checked by the cache
         size = cache.config.page_size
         with seam.lock:
-            sequences = [seam.idle_sequence(seq) for seq in self.seqs]
+            sequences = seam.idle_sequences(self.seqs)
             # a sequence whose token needs a page (its last is full) or a private copy of a shared last page
             need = {seq: 1 for seq, s in zip(self.seqs, sequences)
                     if s.length % size == 0 or seam.needs_copy(int(s.table[s.num_logical_pages - 1]))}

@@ -10,7 +10,7 @@ import pytest
 
 from decode import Decoder, batch_step, batch_transaction
 from kvcache import CacheFullError, KVCache
-from kvcache.halfcast import store_kv_f16
+from kvcache.jit_store import scatter_kv, scatter_kv_f16, store_kv_f16
 
 pytestmark = pytest.mark.kernel          # jitted paths: rerun JIT-free and bounds-checked by CI
 
@@ -160,3 +160,27 @@ def test_store_kv_f16_is_numpys_cast_bit_for_bit():
     assert (k16[0, :, :, 2][~nan] == ref[~nan]).all() and (v16[0, :, :, 2][~nan[::-1]] == ref[::-1][~nan[::-1]]).all()
     assert np.isnan(k16[0, :, :, 2][nan].view(np.float16)).all()
     assert not k16[0, :, :, :2].any() and not k16[0, :, :, 2:][..., :0].any()
+
+
+@pytest.mark.parametrize("pool_dtype, input_dtype", [("float32", "float32"), ("float32", "float64"),
+                                                     ("float64", "float32"), ("float16", "float32")])
+def test_jitted_scatter_is_numpys_fancy_assignment(pool_dtype, input_dtype):
+    rng = np.random.default_rng(5)
+    pages, offsets = np.array([3, 0, 5], dtype=np.int64), np.array([1, 3, 0], dtype=np.int64)
+    k_pool = rng.standard_normal((6, 2, 4, 8)).astype(pool_dtype)
+    v_pool = rng.standard_normal((6, 2, 4, 5)).astype(pool_dtype)
+    k = (rng.standard_normal((3, 2, 8)) * np.exp(rng.uniform(-20, 9, (3, 2, 8)))).astype(input_dtype)
+    v = rng.standard_normal((3, 2, 5)).astype(input_dtype)
+    want_k, want_v = k_pool.copy(), v_pool.copy()
+    want_k[pages, :, offsets], want_v[pages, :, offsets] = k, v
+    old_k, old_v = k_pool[pages, :, offsets], v_pool[pages, :, offsets]
+    if pool_dtype == "float16":
+        got_old = np.empty((3, 2, 8), np.uint16), np.empty((3, 2, 5), np.uint16)
+        scatter_kv_f16(k_pool.view(np.uint16), v_pool.view(np.uint16), pages, offsets, k.view(np.uint32),
+                       v.view(np.uint32), *got_old)
+        got_old = tuple(x.view(np.float16) for x in got_old)
+    else:
+        got_old = np.empty((3, 2, 8), pool_dtype), np.empty((3, 2, 5), pool_dtype)
+        scatter_kv(k_pool, v_pool, pages, offsets, k, v, *got_old)
+    assert k_pool.tobytes() == want_k.tobytes() and v_pool.tobytes() == want_v.tobytes()
+    assert got_old[0].tobytes() == old_k.tobytes() and got_old[1].tobytes() == old_v.tobytes()

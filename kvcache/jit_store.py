@@ -1,8 +1,14 @@
-"""float32 -> float16 stores into the page pool, jitted: NumPy's float16 cast runs ~10 ns an element (no F16C),
-the decode step's one-token write was most of its time beyond the kernel. Bit for bit NumPy's
-``astype(np.float16)`` (round to nearest, ties to even; subnormals; inf above the range), tested against it.
+"""Jitted stores of one token per row into the page pool: NumPy's float16 cast runs ~10 ns an element here (no
+F16C) and its fancy-indexed scatter ~1 ns an element plus its overhead; these were most of a decode step's
+time beyond the kernel. float32 -> float16 is bit for bit NumPy's ``astype(np.float16)`` (round to nearest,
+ties to even; subnormals; inf above the range), other casts are the compiler's (IEEE round to nearest, as
+NumPy's), tested against NumPy.
 
-    store_kv_f16(k16, v16, layer, pages, offsets, k_bits, v_bits)
+    store_kv_f16(k16, v16, layer, pages, offsets, k_bits, v_bits)           float16 pool, float32 input
+    scatter_kv(k_dst, v_dst, pages, offsets, k, v, k_old, v_old)             float pools, same dtype or a cast
+    scatter_kv_f16(k16, v16, pages, offsets, k_bits, v_bits, k_old, v_old)   float16 pool (bits), float32 input
+
+Shapes for `store_kv_f16`:
 
 ``k16 [num_layers, num_pages, num_kv_heads, page_size, head_dim]`` uint16 (the float16 pool viewed as its
 bits), ``v16`` likewise (head_dim_v); ``pages``, ``offsets`` int64 [B]: row b goes to slot ``offsets[b]`` of
@@ -48,6 +54,35 @@ def store_kv_f16(k16, v16, layer, pages, offsets, k_bits, v_bits):
                 k16[layer, page, h, offset, i] = np.uint16(f32_bits_to_f16(k_bits[b, h, i]))
             for i in range(v_bits.shape[2]):
                 v16[layer, page, h, offset, i] = np.uint16(f32_bits_to_f16(v_bits[b, h, i]))
+
+
+@njit(cache=True, nogil=True)
+def scatter_kv(k_dst, v_dst, pages, offsets, k, v, k_old, v_old):
+    """One layer's ``k_dst [num_pages, H, page_size, D]`` (``v_dst``: Dv): row b of ``k [B, H, D]`` goes to slot
+    ``offsets[b]`` of ``pages[b]``, its old contents to ``k_old [B, H, D]`` (same for v). Slots distinct."""
+    for b in range(pages.shape[0]):
+        page, offset = pages[b], offsets[b]
+        for h in range(k.shape[1]):
+            for i in range(k.shape[2]):
+                k_old[b, h, i] = k_dst[page, h, offset, i]
+                k_dst[page, h, offset, i] = k[b, h, i]
+            for i in range(v.shape[2]):
+                v_old[b, h, i] = v_dst[page, h, offset, i]
+                v_dst[page, h, offset, i] = v[b, h, i]
+
+
+@njit(cache=True, nogil=True)
+def scatter_kv_f16(k16, v16, pages, offsets, k_bits, v_bits, k_old, v_old):
+    """`scatter_kv` into a float16 layer viewed as uint16 bits from float32 input viewed as uint32 bits."""
+    for b in range(pages.shape[0]):
+        page, offset = pages[b], offsets[b]
+        for h in range(k_bits.shape[1]):
+            for i in range(k_bits.shape[2]):
+                k_old[b, h, i] = k16[page, h, offset, i]
+                k16[page, h, offset, i] = np.uint16(f32_bits_to_f16(k_bits[b, h, i]))
+            for i in range(v_bits.shape[2]):
+                v_old[b, h, i] = v16[page, h, offset, i]
+                v16[page, h, offset, i] = np.uint16(f32_bits_to_f16(v_bits[b, h, i]))
 
 
 _F32 = np.dtype(np.float32)
