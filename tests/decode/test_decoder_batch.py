@@ -184,3 +184,25 @@ def test_jitted_scatter_is_numpys_fancy_assignment(pool_dtype, input_dtype):
         scatter_kv(k_pool, v_pool, pages, offsets, k, v, *got_old)
     assert k_pool.tobytes() == want_k.tobytes() and v_pool.tobytes() == want_v.tobytes()
     assert got_old[0].tobytes() == old_k.tobytes() and got_old[1].tobytes() == old_v.tobytes()
+
+
+def test_batch_step_with_token_ids_registers_pages_like_a_loop_of_steps():
+    pools = []
+    for _ in range(2):
+        cache = KVCache(num_kv_heads=2, head_dim=8, page_size=4, num_pages=32, prefix_caching=True,
+                        prefix_salt=b"test-salt")
+        decs = [Decoder.on_cache(cache, 4) for _ in range(3)]
+        for b, dec in enumerate(decs):
+            dec.append(np.ones((3 + b, 2, 8)), np.ones((3 + b, 2, 8)), token_ids=np.arange(3 + b) + 10 * b)
+        pools.append((cache, decs))
+    (c1, batch), (c2, loop) = pools
+    rng = np.random.default_rng(6)
+    for step in range(3):
+        q, k, v = rng.standard_normal((3, 4, 8)), rng.standard_normal((3, 2, 8)), rng.standard_normal((3, 2, 8))
+        ids = np.array([100 + step, 200 + step, 300 + step])
+        out = batch_step(batch, q, k, v, token_ids=ids)
+        ref = np.stack([d.step(q[b], k[b], v[b], token_ids=int(ids[b])) for b, d in enumerate(loop)])
+        close(out, ref, "float32")
+        assert c1.fingerprint() == c2.fingerprint()                 # same registered pages, chains and ids
+    assert len(c1.index.entries()) > 0
+    c1.check_invariants()
