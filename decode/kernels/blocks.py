@@ -11,38 +11,44 @@ from .simd import FAST, dot14, dot44, exp, ld, prefetch_lines, pv1, pv4
 
 
 @njit(cache=True, fastmath=FAST)
-def tail_dot(q0, k0, n, D):
-    """sum_{n <= d < D} q0[d] * k0[d] in float64 (exact products; 0.0 when n == D)."""
-    a = 0.0
-    for d in range(n, D):
-        a += np.float64(q0[d]) * np.float64(ld(k0[d]))
-    return a
-
-
-@njit(cache=True, fastmath=FAST)
 def qk(qs, kp, s0, s1, S, c0):
-    """S[g, c0 + t - s0] = qs[g] . kp[t] for t in [s0, s1).  qs: [G, D] (float64 for float16/float32 storage:
-    the decode kernel's exact scores; float32 in the int8 kernel), kp: [page_size, D] storage.
-    The first n = D - D % 32 elements in qs's dtype: blocks of 4 query heads x 4 keys (groups >= 4) or 1 x 4
-    (`dot44` / `dot14`: each key row loaded once per block, the 16 or 4 dot products reduced together), leftover
-    keys one at a time; the rest of head_dim (all of head_dim < 32) in float64 (`tail_dot`), added before the
-    one rounding into S. With float64 qs every product is exact and each score is its exact value rounded once
-    (up to ~D * 2**-53 relative): the float32-score floor."""
+    """S[g, c0 + t - s0] = qs[g] . kp[t] for t in [s0, s1).  qs: [G, D], kp: [page_size, D] storage.
+    Blocks of 4 query heads x 4 keys (groups >= 4) or 1 x 4 (`dot44` / `dot14`: each key row loaded once per
+    block, the 16 or 4 dot products reduced together), leftover keys one at a time, accumulated in qs's dtype.
+    float64 qs (the decode kernel, every storage dtype): all of head_dim in float64, every product exact (K
+    widened exactly), each score its exact value rounded once into S (up to ~head_dim * 2**-53 relative): the
+    float32-score floor. float32 qs (the int8 kernel's widened tiles): the first D - D % 32 elements in float32,
+    the rest (all of head_dim < 32) in a final float64 pass."""
     G = qs.shape[0]
     D = qs.shape[1]
-    n = D - D % 32
+    n = D if qs.itemsize == 8 else D - D % 32
     z = qs[0, 0] - qs[0, 0]
     g = 0
     while g + 4 <= G:
+        S0 = S[g]
+        S1 = S[g + 1]
+        S2 = S[g + 2]
+        S3 = S[g + 3]
         t = s0
         c = c0
         while t + 4 <= s1:
             r = dot44(qs, g, kp, t, n)
-            for a in range(4):
-                Sa = S[g + a]
-                qa = qs[g + a]
-                for b in range(4):
-                    Sa[c + b] = r[4 * a + b] + tail_dot(qa, kp[t + b], n, D)
+            S0[c] = r[0]
+            S0[c + 1] = r[1]
+            S0[c + 2] = r[2]
+            S0[c + 3] = r[3]
+            S1[c] = r[4]
+            S1[c + 1] = r[5]
+            S1[c + 2] = r[6]
+            S1[c + 3] = r[7]
+            S2[c] = r[8]
+            S2[c + 1] = r[9]
+            S2[c + 2] = r[10]
+            S2[c + 3] = r[11]
+            S3[c] = r[12]
+            S3[c + 1] = r[13]
+            S3[c + 2] = r[14]
+            S3[c + 3] = r[15]
             t += 4
             c += 4
         while t < s1:
@@ -61,10 +67,10 @@ def qk(qs, kp, s0, s1, S, c0):
                 a1 += q1[d] * y
                 a2 += q2[d] * y
                 a3 += q3[d] * y
-            S[g, c] = a0 + tail_dot(q0, k0, n, D)
-            S[g + 1, c] = a1 + tail_dot(q1, k0, n, D)
-            S[g + 2, c] = a2 + tail_dot(q2, k0, n, D)
-            S[g + 3, c] = a3 + tail_dot(q3, k0, n, D)
+            S0[c] = a0
+            S1[c] = a1
+            S2[c] = a2
+            S3[c] = a3
             t += 1
             c += 1
         g += 4
@@ -75,8 +81,10 @@ def qk(qs, kp, s0, s1, S, c0):
         c = c0
         while t + 4 <= s1:
             r = dot14(qs, g, kp, t, n)
-            for b in range(4):
-                Sg[c + b] = r[b] + tail_dot(q0, kp[t + b], n, D)
+            Sg[c] = r[0]
+            Sg[c + 1] = r[1]
+            Sg[c + 2] = r[2]
+            Sg[c + 3] = r[3]
             t += 4
             c += 4
         while t < s1:
@@ -84,10 +92,20 @@ def qk(qs, kp, s0, s1, S, c0):
             a0 = z
             for d in range(n):
                 a0 += q0[d] * ld(k0[d])
-            Sg[c] = a0 + tail_dot(q0, k0, n, D)
+            Sg[c] = a0
             t += 1
             c += 1
         g += 1
+    if n < D:                      # the tail (all of head_dim < 32) in float64: exact products, one rounding
+        for g in range(G):
+            q0 = qs[g]
+            Sg = S[g]
+            for t in range(s0, s1):
+                k0 = kp[t]
+                a0 = 0.0
+                for d in range(n, D):
+                    a0 += np.float64(q0[d]) * np.float64(ld(k0[d]))
+                Sg[c0 + t - s0] += a0
 
 
 @njit(cache=True, fastmath=FAST)
