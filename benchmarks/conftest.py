@@ -136,7 +136,7 @@ def _cpu() -> dict:
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     """Save the session's ceilings (and a second measurement at the end, to show the drift), the CPU, the
-    versions and the suite's knobs with the results; `benchmarks/report.py` reads them."""
+    versions and the suite's knobs with the results; `benchmarks/report/` reads them."""
     quick = bool(config.getoption("--quick"))
     extra = {"ceilings_start": dict(_CEILINGS), "cpu": _cpu(), "versions": _versions(), "quick": quick,
              "page_size": common.PAGE_SIZE, "cold_bytes": common.QUICK_COLD_BYTES if quick else common.COLD_BYTES,

@@ -36,6 +36,10 @@ def pytest_generate_tests(metafunc):
         quick = metafunc.config.getoption("--quick")
         params = [(c, impl) for c in cases(quick) for impl in (ENGINE, TORCH)]
         metafunc.parametrize("mq_case", params, ids=[f"{label(c)}-{impl}" for c, impl in params])
+    if "int8_case" in metafunc.fixturenames:
+        quick = metafunc.config.getoption("--quick")
+        params = [(c, impl) for c in int8_cases(quick) for impl in INT8_IMPLS]
+        metafunc.parametrize("int8_case", params, ids=[f"{int8_label(c)}-{impl}" for c, impl in params])
 
 
 def label(c) -> str:
@@ -224,3 +228,111 @@ def test_batch_extend(benchmark, ceilings, quick, warm_engine, impl):
     common.record(benchmark, ceilings, 2 * sum(start + n for n in counts) * hkv * d * 2, 4 * hq * d * keys,
                   impl=impl, op="batch_extend", counts=counts, start=start, num_q_heads=hq, num_kv_heads=hkv,
                   head_dim=d, dtype="float16", rounds=rounds)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# int8 storage (issue 11): the tiled kernel over int8 pages vs float16 and vs the int8 single-query kernel
+# ---------------------------------------------------------------------------------------------------------------
+INT8_IMPLS = ("int8_extend", "fp16_extend", "int8_kernel_tiled", "fp16_kernel_tiled", "int8_kernel_per_query")
+
+
+def int8_cases(quick):
+    """(num_q_heads, num_kv_heads, head_dim, start, tokens): GQA 32/8 d128, page 16."""
+    if quick:
+        return [(8, 2, 32, 0, 64), (8, 2, 32, 100, 16)]
+    return [(32, 8, 128, 0, 512), (32, 8, 128, 0, 2048), (32, 8, 128, 4096, 128)]
+
+
+def int8_label(c) -> str:
+    hq, hkv, d, start, T = c
+    return f"GQA-q{hq}kv{hkv}d{d}-{f'prefill0-{T}' if start == 0 else f'extend{start}+{T}'}"
+
+
+def int8_engine(c, impl):
+    """(call, setup, rows to check, reference K/V as float64): ``*_extend``: `Decoder.extend` of the T new tokens
+    (validation, quantizing write, kernel; the setup truncates back to the start, untimed); ``*_kernel_*``:
+    the kernel call alone on a pool holding all start + T tokens (queries at positions start..), tiled (runs
+    to the tiled multi-query kernel) or (int8) every query through the int8 single-query kernel."""
+    from decode import Decoder
+    from decode.attention import _paged_decode_attention_unchecked
+
+    hq, hkv, d, start, T = c
+    rng = np.random.default_rng(5)
+    L = start + T
+    q = rng.standard_normal((T, hq, d), dtype=np.float32)
+    K = rng.standard_normal((L, hkv, d), dtype=np.float32)
+    V = rng.standard_normal((L, hkv, d), dtype=np.float32)
+    dec = Decoder(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype="float16" if impl.startswith("fp16") else "int8",
+                  page_size=16, max_tokens=L)
+    if impl.endswith("_extend"):
+        if start:
+            dec.append(K[:start], V[:start])
+
+        def setup():
+            if dec.length != start:
+                dec.truncate(start)
+            return (q, K[start:], V[start:]), {}
+        setup()
+        dec.extend(q, K[start:], V[start:])
+        Kd, Vd = (x.astype(np.float64) for x in dec.kv())
+        return dec.extend, setup, Kd, Vd, q, start
+    dec.append(K, V)
+    cache = dec.cache
+    indices = np.asarray(cache.page_table(dec.seq), dtype=np.int32)
+    indptr = np.array([0, len(indices)], dtype=np.int64)
+    qseq = np.zeros(T, dtype=np.int32)
+    qpos = np.arange(start, L, dtype=np.int64)
+    out = np.empty((T, hq, d), dtype=np.float32)
+    args = (q, cache.k_pages(), cache.v_pages(), indices, indptr, qseq, qpos, dec.scale, 0, out)
+    kw = dict(k_scales=cache.k_scales(), v_scales=cache.v_scales(), tiled=impl.endswith("_tiled"))
+
+    def call():
+        return _paged_decode_attention_unchecked(*args, **kw)
+    Kd, Vd = (x.astype(np.float64) for x in dec.kv())
+    return call, lambda: ((), {}), Kd, Vd, q, start
+
+
+def int8_reference_rows(q, K, V, start, rows):
+    hq, hkv = q.shape[1], K.shape[1]
+    g = hq // hkv
+    out = np.empty((len(rows), hq, V.shape[2]))
+    for i, t in enumerate(rows):
+        p = start + t
+        for h in range(hq):
+            s = (K[:p + 1, h // g] @ q[t, h].astype(np.float64)) / math.sqrt(q.shape[2])
+            w = np.exp(s - s.max())
+            out[i, h] = (w / w.sum()) @ V[:p + 1, h // g]
+    return out
+
+
+@pytest.mark.kernel
+def test_int8_prefill(benchmark, ceilings, quick, warm_engine, int8_case):
+    """int8 prefill / extend: `Decoder.extend` with int8 vs float16 storage, and the kernel alone over the int8
+    pool, tiled vs every query through the single-query kernel. Each checked against the float64 reference on
+    the K/V the pool holds (dequantized for int8) before timing."""
+    c, impl = int8_case
+    hq, hkv, d, start, T = c
+    fn, setup, Kd, Vd, q, start = int8_engine(c, impl)
+    ceil = ceilings.near("int8 " + int8_label(c))
+    rows = sorted({*range(min(8, T)), *range(max(0, T - 8), T)})
+    out = fn(*setup()[0])
+    common.check_close(f"{impl} {int8_label(c)}", out[rows], int8_reference_rows(q, Kd, Vd, start, rows),
+                       "float32")
+    per_call = common.time_calls(lambda: fn(*setup()[0]), [()])
+    rounds = 1 if quick else common.choose_rounds(per_call, budget=1.5, minimum=3, maximum=200)
+    benchmark.group = f"multiquery int8 {int8_label(c)}"
+    common.pedantic(benchmark, fn, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
+    if impl == "int8_kernel_tiled":        # the kernel ratios under the same load: calls alternated in rounds
+        calls = {name: int8_engine(c, name)[0] for name in ("fp16_kernel_tiled", "int8_kernel_per_query")}
+        med = alternated({"int8_tiled": fn, **calls}, 1 if quick else 5)
+        benchmark.extra_info.update({"alt_int8_tiled_s": med["int8_tiled"],
+                                     "alt_fp16_tiled_s": med["fp16_kernel_tiled"],
+                                     "alt_int8_per_query_s": med["int8_kernel_per_query"],
+                                     "alt_speedup_vs_fp16_tiled": med["fp16_kernel_tiled"] / med["int8_tiled"],
+                                     "alt_speedup_vs_per_query": med["int8_kernel_per_query"] / med["int8_tiled"]})
+    keys = T * start + T * (T + 1) // 2
+    itemsize = 2 if impl.startswith("fp16") else 1
+    common.record(benchmark, ceil, 2 * (start + T) * hkv * d * itemsize, 4 * hq * d * keys, impl=impl,
+                  op="prefill" if start == 0 else "extend", start=start, tokens=T, keys_attended=keys,
+                  num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype="float16" if impl.startswith("fp16") else "int8",
+                  shape=int8_label(c), rounds=rounds, page_size=16)

@@ -304,11 +304,12 @@ def _paged_decode_attention_unchecked(q, k_pages, v_pages, page_indices, page_in
     mode (testing / tuning): 0 = choose, 1 = serial, 2 = parallel. split_tokens > 0 (parallel) forces key-range
     splits of that many tokens (rounded up to whole blocks); 0 = choose. tiled: runs of queries of
     one sequence at consecutive positions go to the tiled multi-query kernel (`decode.multiquery`); False: every
-    query through the single-query kernel. int8 pages: k_scales / v_scales float16 of the checked shapes; every
-    query goes through the int8 single-query kernel (`_int8_unchecked`; no tiled int8 multi-query kernel yet)."""
+    query through the single-query kernel. int8 pages: k_scales / v_scales float16 of the checked shapes; runs
+    go to the tiled kernel with the scales (their K/V blocks widened from int8), the other queries to the int8
+    single-query kernel (`_int8_unchecked`)."""
     if k_scales is not None:
         return _int8_unchecked(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq,
-                               query_pos, scale, window, out, mode, split_tokens)
+                               query_pos, scale, window, out, mode, split_tokens, tiled)
     if k_pages.dtype == np.float16:
         k_pages = k_pages.view(np.uint16)
         v_pages = v_pages.view(np.uint16)
@@ -356,9 +357,23 @@ def _visible_work(query_pos, window) -> int:
 
 
 def _int8_unchecked(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos,
-                    scale, window, out, mode, split_tokens):
-    """int8 pages (`decode.kernels.int8`): serial below SERIAL_WORK, else units of (query, key range, all kv
-    heads) cut at ``split`` tokens (about two per thread) on all threads."""
+                    scale, window, out, mode, split_tokens, tiled=True):
+    """int8 pages: runs of >= `decode.multiquery.MIN_RUN` consecutive queries of one sequence (tiled) through the
+    tiled multi-query kernel with the scales; the rest through `decode.kernels.int8`: serial below SERIAL_WORK,
+    else units of (query, key range, all kv heads) cut at ``split`` tokens (about two per thread) on all
+    threads."""
+    nq = len(query_pos)
+    if nq > 1 and tiled:
+        rest = _multiquery.attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale,
+                                       window, out, mode=mode, split_tokens=split_tokens, k_scales=k_scales,
+                                       v_scales=v_scales)
+        if len(rest) < nq:
+            if len(rest):
+                out[rest] = _int8_unchecked(q[rest], k_pages, v_pages, k_scales, v_scales, page_indices,
+                                            page_indptr, query_seq[rest], query_pos[rest], scale, window,
+                                            np.empty((len(rest),) + out.shape[1:], out.dtype), mode, split_tokens,
+                                            False)
+            return out
     ks, vs = k_scales.view(np.uint16), v_scales.view(np.uint16)
     nq, num_q_heads, head_dim = q.shape
     page_size, head_dim_v = v_pages.shape[2], v_pages.shape[3]

@@ -53,32 +53,38 @@ class RunsPlan:
     def empty(self) -> bool:
         return self.runs.shape[0] == 0
 
-    def run(self, q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out):
+    def run(self, q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out,
+            k_scales=None, v_scales=None):
         """One layer: out[i] of every query i in a run (arguments as `DecodePlan.run`; the positions must be the
-        ones the plan was made from; k_pages / v_pages as stored: float16 is viewed here). Returns out."""
+        ones the plan was made from; k_pages / v_pages as stored: float16 is viewed here; int8 pages with their
+        float16 k_scales / v_scales, q float32). Returns out."""
         if self.empty:
             return out
         if k_pages.dtype == np.float16:
             k_pages, v_pages = k_pages.view(np.uint16), v_pages.view(np.uint16)
+        if k_scales is not None:
+            k_scales, v_scales = k_scales.view(np.uint16), v_scales.view(np.uint16)
         if self.serial:
             _mq.mq_units(q, k_pages, v_pages, page_indices, page_indptr, self.runs, self.units, 0,
                          self.units.shape[0], window, scale, BLOCK, self.tokens, out, _EMPTY2[self.dtype],
-                         _EMPTY2[self.dtype], _EMPTY3[self.dtype])
+                         _EMPTY2[self.dtype], _EMPTY3[self.dtype], k_scales, v_scales)
         else:
             _mq.mq_parallel(q, k_pages, v_pages, page_indices, page_indptr, self.runs, self.units, self.bounds,
-                            self.items, self.parts, self.slots, window, scale, BLOCK, self.tokens, out)
+                            self.items, self.parts, self.slots, window, scale, BLOCK, self.tokens, out, k_scales,
+                            v_scales)
         return out
 
 
 def attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out, *,
-                mode=0, split_tokens=0, min_run=MIN_RUN):
+                mode=0, split_tokens=0, min_run=MIN_RUN, k_scales=None, v_scales=None):
     """Compute out[i] of every query i in a run with the tiled kernel; return the indices (int64) of the other
     queries, which the caller computes. Arguments as `decode.attention._paged_decode_attention_unchecked`.
     mode: 0 choose, 1 serial, 2 parallel; split_tokens > 0 forces key-range parts of that many tokens
-    (parallel)."""
+    (parallel). int8 pages: k_scales / v_scales (float16, `kvcache.quant`'s format)."""
     plan = RunsPlan(query_seq, query_pos, window, q.shape, v_pages, mode=mode, split_tokens=split_tokens,
                     min_run=min_run)
-    plan.run(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out)
+    plan.run(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out, k_scales,
+             v_scales)
     return plan.rest
 
 

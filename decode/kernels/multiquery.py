@@ -27,7 +27,8 @@ import numpy as np
 from numba import njit, prange
 
 from .gemm import MR, gemm4
-from .simd import EXP_FLAGS, FAST, exp_inline, ld
+from .int8_rows import widen_block
+from .simd import EXP_FLAGS, FAST, JIT, exp_inline, ld
 
 NEG = -3.0e38         # "no key yet" running max: finite (fastmath), below every admissible score
 
@@ -73,6 +74,46 @@ def _copy_block(pool, pages, h, b0, nb, dst):
         row = dst[jj]
         for d in range(W):
             row[d] = 0.0
+
+
+def _copy_kv(pool, pages, h, b0, nb, dst, scales):
+    """`_copy_block` for float pools (scales None), `int8_rows.widen_block` for int8 pools (scales: their float16
+    group scales as uint16 [num_pages, num_kv_heads, page_size, ceil(width / 32)]: each value times its group's
+    scale in float32). Chosen by type at compile time (an overload; numba cannot prune `scales is None` when
+    scales is an array); this body is the NUMBA_DISABLE_JIT twin."""
+    if scales is None:
+        _copy_block(pool, pages, h, b0, nb, dst)
+    else:
+        widen_block(pool, scales, pages, h, b0, nb, -(-nb // MR) * MR, dst)
+
+
+if JIT:
+    from numba import types as _types
+    from numba.extending import overload as _overload
+
+    @_overload(_copy_kv)
+    def _copy_kv_typed(pool, pages, h, b0, nb, dst, scales):
+        if scales is None or isinstance(scales, (_types.NoneType, _types.Omitted)):
+            return lambda pool, pages, h, b0, nb, dst, scales: _copy_block(pool, pages, h, b0, nb, dst)
+        return lambda pool, pages, h, b0, nb, dst, scales: widen_block(pool, scales, pages, h, b0, nb,
+                                                                      -(-nb // MR) * MR, dst)
+
+
+def score_scratch(D, R, nk, scales):
+    """QT [D, R] and Kb [nk, D], the score GEMM's operands: float64 for float pools (scales None: ST = Kb @ QT
+    accumulates in float64, every product exact, and is rounded once into the score tile), float32 for int8 pools
+    (their dequantized float32 rows, as `kernels.int8`). Chosen by type at compile time (an overload, as
+    `_copy_kv`); this body is the NUMBA_DISABLE_JIT twin."""
+    dt = np.float64 if scales is None else np.float32
+    return np.empty((D, R), dt), np.empty((nk, D), dt)
+
+
+if JIT:
+    @_overload(score_scratch)
+    def _score_scratch_typed(D, R, nk, scales):
+        if scales is None or isinstance(scales, (_types.NoneType, _types.Omitted)):
+            return lambda D, R, nk, scales: (np.empty((D, R), np.float64), np.empty((nk, D), np.float64))
+        return lambda D, R, nk, scales: (np.empty((D, R), np.float32), np.empty((nk, D), np.float32))
 
 
 @njit(cache=True, fastmath=EXP_FLAGS)
@@ -132,11 +173,13 @@ def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi,
 
 @njit(cache=True, fastmath=FAST)
 def attend_tile(q, k_pages, v_pages, pages, h, G, i0, pos0, nt, ka, kb, window, sc, block,
-                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg):
+                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, k_scales=None, v_scales=None):
     """Unnormalised attention of one tile (queries i0..i0+nt-1 at positions pos0.., kv head h) over the keys in
     [ka, kb) of the sequence with page row `pages` (sc: the score scale in the compute dtype). Leaves m[R], l[R],
-    O[R, :Dv] (R = nt * G; rows padded to the vector width are zero queries). Scratch: QT [D, >=Rp] and Kb [>=block+3, D] float64, Vb [>=block+3, Dvp] (columns
-    Dv..Dvp-1 zero), ST [>=block+3, >=Rp], O [>=Rp, Dvp], m / l / alpha / rpos / rlo / jlo / jhi [>=Rp]; neg: NEG in the compute dtype."""
+    O[R, :Dv] (R = nt * G; rows padded to the vector width are zero queries). Scratch: QT [D, >=Rp] and Kb [>=block+3, D]
+    (float64 for float pools: the score GEMM's accumulation dtype, `score_scratch`), Vb [>=block+3, Dvp] (columns
+    Dv..Dvp-1 zero), ST [>=block+3, >=Rp], O [>=Rp, Dvp], m / l / alpha / rpos / rlo / jlo / jhi [>=Rp]; neg: NEG in the compute dtype.
+    k_scales / v_scales: the int8 pools' scales (`_copy_kv`), None for float pools."""
     D = q.shape[2]
     Dvp = Vb.shape[1]
     L = 8 if O.itemsize == 8 else 16
@@ -160,7 +203,7 @@ def attend_tile(q, k_pages, v_pages, pages, h, G, i0, pos0, nt, ka, kb, window, 
         b1 = min(hi, b0 + block)
         nb = b1 - b0
         nbp = -(-nb // MR) * MR
-        _copy_block(k_pages, pages, h, b0, nb, Kb)
+        _copy_kv(k_pages, pages, h, b0, nb, Kb, k_scales)
         for j in range(0, nbp, MR):
             c = 0
             while c < Rp:
@@ -175,7 +218,7 @@ def attend_tile(q, k_pages, v_pages, pages, h, G, i0, pos0, nt, ka, kb, window, 
                 row = O[r]
                 for d in range(Dvp):
                     row[d] *= a
-        _copy_block(v_pages, pages, h, b0, nb, Vb)
+        _copy_kv(v_pages, pages, h, b0, nb, Vb, v_scales)
         st_cols = ST.shape[1]
         for r in range(0, Rp, MR):
             c = 0
@@ -202,9 +245,10 @@ def _store_tile(O, l, out, i0, nt, h, G):
 
 @njit(cache=True, fastmath=FAST)
 def mq_units(q, k_pages, v_pages, page_indices, page_indptr, runs, units, u0, u1, window, scale, block, tokens,
-             out, wm, wl, wacc):
+             out, wm, wl, wacc, k_scales=None, v_scales=None):
     """Process units u0..u1-1 with one set of scratch buffers (the serial kernel, and each parallel chunk's
-    body). tokens: the most queries per tile (bounds the scratch); block: keys per score tile."""
+    body). tokens: the most queries per tile (bounds the scratch); block: keys per score tile. int8 pools
+    (float32 q): k_scales / v_scales uint16 [num_pages, num_kv_heads, page_size, ceil(width / 32)]."""
     Hkv = k_pages.shape[1]
     G = q.shape[1] // Hkv
     D = q.shape[2]
@@ -213,8 +257,7 @@ def mq_units(q, k_pages, v_pages, page_indices, page_indptr, runs, units, u0, u1
     L = 8 if q.itemsize == 8 else 16
     Rmax = -(-(tokens * G) // L) * L
     Dvp = -(-Dv // L) * L
-    QT = np.empty((D, Rmax), np.float64)    # the scores ST = Kb @ QT accumulate in float64 (exact products) and
-    Kb = np.empty((block + MR, D), np.float64)  # are rounded once into ST (compute dtype)
+    QT, Kb = score_scratch(D, Rmax, block + MR, k_scales)
     Vb = np.zeros((block + MR, Dvp), dt)
     ST = np.empty((block + MR, Rmax), dt)
     O = np.empty((Rmax, Dvp), dt)
@@ -237,7 +280,7 @@ def mq_units(q, k_pages, v_pages, page_indices, page_indptr, runs, units, u0, u1
         i0 = runs[run, 1] + t0
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         attend_tile(q, k_pages, v_pages, pages, h, G, i0, runs[run, 3] + t0, nt, units[u, 4], units[u, 5], window,
-                    sc, block, QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg)
+                    sc, block, QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, k_scales, v_scales)
         if slot < 0:
             _store_tile(O, l, out, i0, nt, h, G)
         else:
@@ -366,9 +409,9 @@ def plan_tiles(runs, num_kv_heads, G, window, tokens, split, nchunks):
 
 @njit(parallel=True, cache=True, fastmath=FAST)
 def mq_parallel(q, k_pages, v_pages, page_indices, page_indptr, runs, units, bounds, items, item_parts, num_slots,
-                window, scale, block, tokens, out):
+                window, scale, block, tokens, out, k_scales=None, v_scales=None):
     """The units of `plan_tiles` on all threads (one prange iteration per chunk: it owns its units' outputs and
-    workspace slots), then the split tiles' parts are merged."""
+    workspace slots), then the split tiles' parts are merged. k_scales / v_scales: as `mq_units`."""
     Hkv = k_pages.shape[1]
     G = q.shape[1] // Hkv
     Dv = v_pages.shape[3]
@@ -379,7 +422,7 @@ def mq_parallel(q, k_pages, v_pages, page_indices, page_indptr, runs, units, bou
     nch = bounds.shape[0] - 1
     for ck in prange(nch):
         mq_units(q, k_pages, v_pages, page_indices, page_indptr, runs, units, bounds[ck], bounds[ck + 1], window,
-                 scale, block, tokens, out, wm, wl, wacc)
+                 scale, block, tokens, out, wm, wl, wacc, k_scales, v_scales)
     n = items.shape[0]
     if n >= nch:
         for ck in prange(nch):

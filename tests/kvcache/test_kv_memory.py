@@ -1,6 +1,7 @@
 """kvcache.memory: the formula, the accounting identities of a live cache, the report and its table, and one
 small real RSS measurement."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -245,3 +246,40 @@ def test_small_real_int8_measurement_matches_formula():
     if row["pool_resident_bytes"] is not None:
         assert abs(row["pool_resident_bytes"] / row["formula_bytes"] - 1) <= 0.02, row
     assert row["naive_peak_bytes"] is None                              # the naive cache has no int8 form
+
+
+def test_pool_residency_is_counted_per_page_of_the_arrays():
+    """`_resident_in` asks the kernel about the arrays' own pages (mincore), not about the whole mappings that
+    hold them: a small array inside the shared heap counts its own pages only, an untouched array ~nothing."""
+    M = memory
+    if M._mincore_resident([np.zeros(1)]) is None:
+        pytest.skip("mincore(2) unavailable (not Linux)")
+    page = os.sysconf("SC_PAGE_SIZE")
+    big = np.zeros(64 * 1024 * 1024, dtype=np.uint8)                      # its own lazily backed mapping
+    assert M._mincore_resident([big]) <= 4 * 1024 * 1024                   # (a THP neighbour at most)
+    big[:] = 1                                                              # every page touched
+    lo, hi = big.ctypes.data // page, -(-(big.ctypes.data + big.nbytes) // page)
+    assert M._mincore_resident([big]) == (hi - lo) * page
+    small = np.ones(3 * page + 5, dtype=np.uint8)                          # malloc's: may sit in the heap
+    resident = M._mincore_resident([small])
+    assert (3 * page + 5) <= resident <= 5 * page
+    assert M._mincore_resident([small, small]) == resident                  # shared pages counted once
+    assert M._resident_in([small])[0] == resident
+
+
+def test_int8_mqa_report_row_within_2_percent():
+    """The default report shape's int8 MQA row (32 layers, 10 000 tokens, head_dim 128: an 83 MiB pool with
+    its scales): formula == allocated, the pool's own resident pages within a few pages of it, and the
+    measuring process's RSS increase within 2% (the fill's one-time costs are in the baseline, `_warm_up`;
+    one retry: shared machine)."""
+    pytest.importorskip("psutil")
+    for attempt in range(2):
+        [row] = memory_report(kv_heads=(1,), dtype="int8", naive_peak=False)
+        assert row["attention"] == "MQA" and row["formula_bytes"] == 81_920_000 + 5_120_000
+        if abs(row["measured_over_formula"] - 1) <= 0.02:
+            break
+    assert row["allocated_bytes"] == row["used_bytes"] == row["formula_bytes"]
+    assert abs(row["measured_over_formula"] - 1) <= 0.02, row
+    if row["pool_resident_bytes"] is not None:                              # Linux: the arrays' own pages
+        page = os.sysconf("SC_PAGE_SIZE")
+        assert row["formula_bytes"] <= row["pool_resident_bytes"] <= row["formula_bytes"] + 8 * page, row

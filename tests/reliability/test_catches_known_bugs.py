@@ -6,7 +6,8 @@ A mutation the driver cannot see would mean a blind spot in the reliability suit
 import numpy as np
 import pytest
 
-import decode.decoder as decoder_module
+import decode.layer_plan as layer_plan_module
+import decode.window as window_module
 import kvcache.allocator as allocator_module
 import kvcache.token as token_module
 from .driver import Divergence, Settings, run
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.kernel
 
 def shift_positions(monkeypatch, how):
     """The decoder's kernel call sees other query positions than the tokens' own (a mistyped length)."""
-    real = decoder_module._paged_decode_attention_unchecked
+    real = layer_plan_module._paged_decode_attention_unchecked
 
     def kernel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out, **kw):
         size = k_pages.shape[2]
@@ -29,7 +30,7 @@ def shift_positions(monkeypatch, how):
         else:                                               # the new token left out: attends one key short
             pos = np.maximum(pos - 1, 0)
         return real(q, k_pages, v_pages, page_indices, page_indptr, query_seq, pos, scale, window, out, **kw)
-    monkeypatch.setattr(decoder_module, "_paged_decode_attention_unchecked", kernel)
+    monkeypatch.setattr(layer_plan_module, "_paged_decode_attention_unchecked", kernel)
 
 
 def plant(monkeypatch, bug):
@@ -61,11 +62,11 @@ def plant(monkeypatch, bug):
             real(self)
         monkeypatch.setattr(token_module.TokenWrite, "commit", commit)
     elif bug == "window gives back a page still read":
-        def release(self):
-            if self.window and self.length > self.window:
-                self.cache.release_before(self.seq, min(self.length, self.length - self.window + 1 +
-                                                        self.config.page_size))
-        monkeypatch.setattr(decoder_module.Decoder, "_release_outside_window", release)
+        def release(dec):
+            if dec.window and dec.length > dec.window:
+                dec.cache.release_before(dec.seq, min(dec.length, dec.length - dec.window + 1 +
+                                                      dec.config.page_size))
+        monkeypatch.setattr(window_module, "release_outside_window", release)
     else:
         shift_positions(monkeypatch, bug)
 

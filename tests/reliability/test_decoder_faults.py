@@ -13,7 +13,7 @@ absorbed: the call succeeds (its tokens are in the cache) and the release happen
 import numpy as np
 import pytest
 
-import decode.decoder as decoder_module
+import decode.layer_plan as layer_plan_module
 from decode.attention import DecodePlan
 from decode.multiquery import RunsPlan
 from decode import Decoder, batch_extend, batch_step, batch_transaction
@@ -43,7 +43,7 @@ def observe(result):
 
 
 # every way the Decoder reaches a kernel: the wrapper, a one-query-per-sequence DecodePlan, a multi-query RunsPlan
-KERNEL_ENTRIES = ((decoder_module, "_paged_decode_attention_unchecked"), (DecodePlan, "run"), (RunsPlan, "run"))
+KERNEL_ENTRIES = ((layer_plan_module, "_paged_decode_attention_unchecked"), (DecodePlan, "run"), (RunsPlan, "run"))
 
 
 def patch_kernels(monkeypatch, wrap):

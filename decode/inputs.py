@@ -1,0 +1,136 @@
+"""Input validation of the `Decoder` paths: one decoder's checks (`InputChecks`) and the ragged / per-decoder
+forms of a batch (`check_tokens`).
+
+Every check runs before anything is reserved; errors are ``"name: expected ..., got ..."`` naming the
+caller's argument (and, for the list form of a batch, its element: ``q[1]: ...``). Inputs must be finite
+(after the cast to the storage dtype) and bounded in magnitude (`decode._validate.magnitude_limits`).
+"""
+import numpy as np
+
+from kvcache.checks import as_float_array, cast_to_storage, check_shape
+
+from ._validate import check_magnitude, first_bad_input, magnitude_limits, overflow_limit
+
+# input dtypes the jitted check takes (numba types neither float16 nor long double nor byte-swapped arrays)
+_JIT_FLOATS = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
+
+
+class InputChecks:
+    """The checks of one decoder's inputs: shapes from the cache's config and ``num_q_heads``, the working
+    precision ``q_dtype`` (float64 for float64 storage, else float32) and the magnitude limits for ``scale``."""
+
+    def __init__(self, cache, num_q_heads: int, scale: float):
+        cfg = cache.config
+        self.cache, self.num_q_heads = cache, num_q_heads
+        self.q_dtype = np.dtype(np.float64 if cfg.dtype == np.float64 else np.float32)
+        self.q_limit, self.kv_limit = magnitude_limits(self.q_dtype, cfg.head_dim, scale)
+        self._limits = {}                                        # (q, k, v dtypes) -> limits of the jitted check
+        self.q_shape = (num_q_heads, cfg.head_dim)               # one token: [num_q_heads, head_dim]
+        self.k_shape = (cfg.num_kv_heads, cfg.head_dim)          # [num_kv_heads, head_dim]
+        self.v_shape = (cfg.num_kv_heads, cfg.head_dim_v)        # [num_kv_heads, head_dim_v]
+
+    def token(self, q, k, v):
+        """One token's q/k/v checked (shape, float dtype, finite; k/v finite after the cast to storage; magnitudes
+        within the compute dtype's safe range); q converted to the working precision."""
+        if not (type(q) is type(k) is type(v) is np.ndarray and q.shape == self.q_shape
+                and k.shape == self.k_shape and v.shape == self.v_shape
+                and q.dtype in _JIT_FLOATS and k.dtype in _JIT_FLOATS and v.dtype in _JIT_FLOATS):
+            return self.token_slowly(q, k, v)
+        limits = self._limits.get((q.dtype, k.dtype, v.dtype)) or self.input_limits(q.dtype, k.dtype, v.dtype)
+        if first_bad_input(q, k, v, *limits) >= 0:
+            return self.token_slowly(q, k, v)                     # raises, naming the element
+        # k/v stay in the caller's dtype: the write into the pool casts them (the limits made the cast safe)
+        return q if q.dtype == self.q_dtype and q.flags.c_contiguous else np.ascontiguousarray(q, self.q_dtype), k, v
+
+    def input_limits(self, q_dtype, k_dtype, v_dtype) -> tuple[float, float]:
+        """Magnitude limits of the jitted check for these input dtypes: finite after the cast (`overflow_limit`)
+        and within the compute dtype's safe range (`magnitude_limits`); memoised per dtype triple."""
+        kv_dtype = k_dtype if k_dtype.itemsize >= v_dtype.itemsize else v_dtype
+        limits = (min(overflow_limit(q_dtype, self.q_dtype), self.q_limit),
+                  min(overflow_limit(kv_dtype, self.cache.config.dtype), self.kv_limit))
+        self._limits[(q_dtype, k_dtype, v_dtype)] = limits
+        return limits
+
+    def token_slowly(self, q, k, v):
+        """`token` for any input: converts, then names the first bad argument and element."""
+        q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
+        check_shape("q", q, self.q_shape, "[num_q_heads, head_dim]")
+        check_shape("k", k, self.k_shape, "[num_kv_heads, head_dim]")
+        check_shape("v", v, self.v_shape, "[num_kv_heads, head_dim_v]")
+        given = q, k, v                                # errors name the caller's values at the caller's [H, D] index
+        q = cast_to_storage("q", q, self.q_dtype)
+        k, v = self.cache.check_storable("k", k), self.cache.check_storable("v", v)
+        check_magnitude("q", given[0], self.q_limit, self.q_dtype)
+        self.kv_magnitude(*given[1:])
+        return np.ascontiguousarray(q), k, v
+
+    def kv_magnitude(self, k, v) -> None:
+        check_magnitude("k", k, self.kv_limit, self.q_dtype)
+        check_magnitude("v", v, self.kv_limit, self.q_dtype)
+
+    def kv(self, k, v, num_tokens: int):
+        """``k [T, num_kv_heads, head_dim]``, ``v [T, num_kv_heads, head_dim_v]`` validated (`KVCache.check_kv`,
+        then the magnitude limits) and cast to the storage dtype."""
+        given = np.asarray(k), np.asarray(v)
+        k, v = self.cache.check_kv(*given, num_tokens, layered=False)
+        self.kv_magnitude(*given)                     # float arrays of the right shape by now; named as given
+        return k, v
+
+    def query(self, q, num_tokens: int) -> np.ndarray:
+        """``q [T, num_q_heads, head_dim]`` validated (float, finite) and cast to the working precision."""
+        given = q = as_float_array("q", q)
+        check_shape("q", q, (num_tokens, self.num_q_heads, self.cache.config.head_dim), "[T, num_q_heads, head_dim]")
+        q = cast_to_storage("q", q, self.q_dtype)
+        check_magnitude("q", given, self.q_limit, self.q_dtype)
+        return np.ascontiguousarray(q)
+
+
+def check_single_layer(config, what: str) -> None:
+    """ValueError unless the pool has one layer (the single-layer calls; several layers go through transactions)."""
+    if config.num_layers != 1:
+        raise ValueError(f"{what}: expected a one-layer cache (use transaction() for several layers), "
+                         f"got num_layers={config.num_layers}")
+
+
+def num_tokens_of(k) -> int:
+    """T of ``k [T, num_kv_heads, head_dim]`` (ValueError naming k for another number of axes)."""
+    shape = np.shape(k)
+    if len(shape) != 3:
+        raise ValueError(f"k: expected shape [T, num_kv_heads, head_dim], got {shape}")
+    return shape[0]
+
+
+def check_tokens(decoders, counts, q, k, v):
+    """Validate new tokens of ``decoders`` (``counts[b]`` for decoder b): ragged arrays or one array per
+    decoder, as in `DecoderTransaction.extend`; q may be None -> ragged ``q [N, num_q_heads, head_dim]``
+    (working precision; None if q is), ``k``, ``v`` (storage dtype). Errors of the list form name the element
+    (``q[1]: ...``), of the ragged form the ragged index."""
+    dec = decoders[0]
+    if not any(isinstance(x, (list, tuple)) for x in (q, k, v)):
+        total = sum(counts)
+        return (None if q is None else dec.check_query(q, total)), *dec.check_kv(k, v, total)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is None and name == "q":
+            continue
+        if not isinstance(x, (list, tuple)):
+            raise TypeError(f"{name}: expected a list of {len(counts)} arrays (one per decoder, like the other "
+                            f"inputs), got {type(x).__name__}")
+        if len(x) != len(counts):
+            raise ValueError(f"{name}: expected {len(counts)} arrays (one per decoder), got {len(x)}")
+    parts = ([], [], [])
+    for b, count in enumerate(counts):
+        try:
+            if q is not None:
+                parts[0].append(dec.check_query(q[b], count))
+            kb, vb = dec.check_kv(k[b], v[b], count)
+        except (TypeError, ValueError) as e:
+            msg = str(e)
+            raise type(e)(f"{msg[0]}[{b}]{msg[1:]}" if msg[1:2] == ":" else msg) from None
+        parts[1].append(kb)
+        parts[2].append(vb)
+    return tuple(np.concatenate(p) if p else None for p in parts)
+
+
+def split_ragged(x: np.ndarray, counts) -> list:
+    """``x [sum(counts), ...]`` -> a list of ``[counts[b], ...]`` views."""
+    return np.split(x, np.cumsum(counts)[:-1])

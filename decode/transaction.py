@@ -1,0 +1,168 @@
+"""`DecoderTransaction`: new tokens of one or more decoders (one pool), written and attended layer by layer.
+
+One token of one decoder goes through the cache's lean single-token path (`KVCache.begin_token`); anything
+larger through a general `kvcache.Transaction`. What every layer shares is planned once (`decode.layer_plan`).
+"""
+import numpy as np
+
+from . import window as _window
+from .inputs import check_tokens, split_ragged
+from .layer_plan import attend_token, plan_batch
+
+
+class DecoderTransaction:
+    """Tokens of one or more decoders (one pool) being written layer by layer; see `Decoder.transaction`.
+
+    One token of one decoder goes through the cache's lean single-token path (`KVCache.begin_token`);
+    anything larger through a general `kvcache.Transaction`. The slots are reserved when the transaction opens
+    (from then on it owns its sequences: no truncate / fork / free / other transaction in between), before any
+    layer's input exists; each per-layer call validates its input before it writes. The single-layer calls
+    (`Decoder.step` / `extend` / `append`, `batch_extend`, `batch_step`) validate everything before they open
+    one. What every layer shares (page tables, positions, the kernel's work partition) is computed by the first
+    layer that attends and reused by the others."""
+
+    def __init__(self, decoders: list, num_tokens: dict[int, int], token_ids: dict | None = None):
+        self.decoders = decoders
+        self.cache = decoders[0].cache
+        self.num_tokens = num_tokens
+        self._single_token = len(decoders) == 1 and num_tokens[decoders[0].seq] == 1
+        self._plans = {}                # number of queries -> `decode.layer_plan.LayerPlan`, see `_attend`
+        self._token_plan = None         # the one-token path's plan (`attend_token`)
+        if self._single_token:          # reserve (CacheFullError and bad ids leave everything as it was)
+            self._tx = self.cache.begin_token(decoders[0].seq, token_id=(token_ids or {}).get(decoders[0].seq))
+            self.start = [self._tx.position]
+        else:
+            self._tx = self.cache.transaction(num_tokens, token_ids=token_ids)
+            self.start = [self._tx.start[d.seq] for d in decoders]
+        self._open = True
+
+    def __enter__(self) -> "DecoderTransaction":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.rollback()
+
+    def commit(self) -> None:
+        """Publish the tokens (every layer must have been written); a no-op once committed."""
+        if self._open:
+            self._open = False
+            self._tx.commit()
+            if self.decoders[0].window:
+                for d in self.decoders:
+                    _window.release_after_commit(d)
+
+    def rollback(self) -> None:
+        self._open = False
+        self._tx.rollback()
+
+    # -- per layer --------------------------------------------------------------------------------------------
+    def append(self, layer: int, k, v, *, checked: bool = False) -> None:
+        """Write one layer's K/V of every decoder, no query: ``k`` / ``v`` as in `extend`."""
+        def run():
+            _, ks, vs = (None, k, v) if checked else self.check_tokens(None, k, v)
+            self._write_all(layer, ks, vs)
+        self._guard(run)
+
+    def extend(self, layer: int, q, k, v, *, checked: bool = False):
+        """Write one layer's K/V of every decoder and attend with their queries, in one kernel call.
+
+        Ragged form: ``q [N, num_q_heads, head_dim]``, ``k [N, num_kv_heads, head_dim]``,
+        ``v [N, num_kv_heads, head_dim_v]`` with N = sum of the decoders' token counts, decoder 0's tokens first
+        -> ``[N, num_q_heads, head_dim_v]``. List form: one ``[T_b, ...]`` array per decoder -> a list of
+        ``[T_b, num_q_heads, head_dim_v]``. Query t of decoder b sits at position ``start[b] + t``.
+        ``checked``: the arrays come from `check_tokens` (ragged, validated, cast) and are not checked again."""
+        def run():
+            qs, ks, vs = (q, k, v) if checked else self.check_tokens(q, k, v)
+            self._write_all(layer, ks, vs)
+            out = self._attend(layer, qs, self._query_seq(), self._query_pos())
+            return split_ragged(out, self.counts) if isinstance(q, (list, tuple)) else out
+        return self._guard(run)
+
+    def check_tokens(self, q, k, v):
+        """`decode.inputs.check_tokens` for this transaction's decoders and token counts."""
+        return check_tokens(self.decoders, self.counts, q, k, v)
+
+    @property
+    def counts(self) -> list[int]:
+        """New tokens of each decoder, in decoder order."""
+        return [self.num_tokens[d.seq] for d in self.decoders]
+
+    def _write_all(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store checked ragged ``k [N, H, D]``, ``v [N, H, Dv]`` (storage dtype), decoder by decoder."""
+        offset = 0
+        for b, count in enumerate(self.counts):
+            self._write(layer, b, k[offset:offset + count], v[offset:offset + count])
+            offset += count
+
+    def _query_seq(self) -> np.ndarray:
+        """int32 [N]: the page-table row (decoder index) of each ragged query."""
+        return np.repeat(np.arange(len(self.decoders), dtype=np.int32), self.counts)
+
+    def _query_pos(self) -> np.ndarray:
+        """int64 [N]: the absolute position of each ragged query (decoder b's start + t)."""
+        counts = self.counts
+        if len(counts) == 1:
+            return np.arange(self.start[0], self.start[0] + counts[0], dtype=np.int64)
+        return np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in zip(self.start, counts)])
+
+    def step(self, layer: int, q, k, v, *, checked: bool = False) -> np.ndarray:
+        """One token per decoder: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``,
+        ``v [B, num_kv_heads, head_dim_v]`` with B = number of decoders (the B axis may be dropped for one
+        decoder) -> ``[B, num_q_heads, head_dim_v]``. ``checked``: ``[B, ...]`` arrays validated and cast by
+        `Decoder.check_query` / `check_kv` already."""
+        if self._single_token and np.ndim(q) == 2:
+            return self._guard(lambda: self._step_one(layer, q, k, v))
+        return self._guard(lambda: self._step_batch(layer, q, k, v, checked))
+
+    def _step_one(self, layer, q, k, v) -> np.ndarray:
+        dec = self.decoders[0]
+        q, k, v = dec.inputs.token(q, k, v)
+        out, self._token_plan = attend_token(dec, self._tx, layer, q, k, v, self._token_plan)
+        return out
+
+    def _step_batch(self, layer, q, k, v, checked: bool = False) -> np.ndarray:
+        count = len(self.decoders)
+        if not checked:
+            q = self.decoders[0].check_query(q, count)
+            k, v = self.decoders[0].check_kv(k, v, count)               # [B, H, D]: one token per sequence
+        for i in range(count):
+            self._write(layer, i, k[i:i + 1], v[i:i + 1])
+        return self._attend(layer, q, np.arange(count, dtype=np.int32), np.array(self.start, dtype=np.int64))
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+    def _guard(self, run):
+        """Run one per-layer call; any failure rolls the whole transaction back before it propagates."""
+        try:
+            if not self._open:
+                raise RuntimeError("transaction: expected an open transaction, got one already finished")
+            return run()
+        except BaseException:
+            if self._open:
+                self.rollback()
+            raise
+
+    def _write(self, layer: int, index: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store checked ``k [T, H, D]``, ``v [T, H, Dv]`` (storage dtype) of decoder ``index`` in ``layer``."""
+        if self._single_token:
+            self._tx.write(layer, k[0], v[0])
+        else:
+            self._tx.write(layer, self.decoders[index].seq, k, v, checked=True)
+
+    def _pages(self, index: int) -> np.ndarray:
+        return self._tx.pages() if self._single_token else self._tx.pages(self.decoders[index].seq)
+
+    def _attend(self, layer, q, query_seq, query_pos) -> np.ndarray:
+        """One kernel call: ``q [num_queries, num_q_heads, head_dim]`` over the decoders' page tables. The tables
+        (checked: no released page visible) and the work partition are made on the first layer and reused."""
+        dec = self.decoders[0]
+        plan = self._plans.get(len(q))
+        if plan is None:
+            tables = [self._pages(i) for i in range(len(self.decoders))]
+            plan = self._plans[len(q)] = plan_batch(self.cache, dec.pools, [d.seq for d in self.decoders], tables,
+                                                    self.start, self.counts, q.shape, dec.window, query_seq,
+                                                    query_pos)
+        out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
+        return plan.run(dec.pools, layer, q, dec.scale, dec.window, out)

@@ -1,0 +1,17 @@
+"""Sliding windows: give back the pages no future query of a decoder can read."""
+
+
+def release_outside_window(decoder) -> None:
+    """With a sliding window, give back the pages no future query can read (positions < length - window + 1)."""
+    if decoder.window and decoder.length - decoder.window + 1 > decoder.cache.first_position(decoder.seq):
+        decoder.cache.release_before(decoder.seq, decoder.length - decoder.window + 1)
+
+
+def release_after_commit(decoder) -> None:
+    """`release_outside_window` once the tokens are committed: a failure now would report a failed call that
+    changed the cache, so it is absorbed; the release is atomic (nothing was given back) and the next commit
+    retries it."""
+    try:
+        release_outside_window(decoder)
+    except Exception:
+        pass

@@ -1,0 +1,121 @@
+"""`CacheCore`: the state of a `KVCache` and the page bookkeeping every mutating operation shares.
+
+The cache's modules (`kvcache.appends`, `kvcache.lifecycle`, `kvcache.audit`, `kvcache.snapshot_state`) work on
+one `CacheCore` through its public names below; `KVCache` is the facade over them. Nothing here validates user
+input: the callers did. Every change is recorded in a `Journal` by the caller's rules (see `kvcache.cache`).
+
+State: ``config``, ``pool`` (`PagePool`: the page arrays), ``allocator``, ``sequences`` ({id: `Sequence`}),
+``next_id``, ``lock`` (re-entrant, guards all metadata), ``index`` (`PrefixIndex` or None), ``namespace``,
+``salt``, ``fault_hook`` (a callable of a fault point's name; tests).
+"""
+import threading
+
+import numpy as np
+
+from .allocator import PageAllocator
+from .config import CacheConfig
+from .errors import CacheFullError
+from .faults import no_fault
+from .journal import Journal
+from .sequence import Sequence
+from .storage import PagePool
+
+
+class CacheCore:
+    def __init__(self, cfg: CacheConfig, index, namespace: str, salt: bytes):
+        self.config = cfg
+        self.pool = PagePool(cfg)
+        self.allocator = PageAllocator(cfg.num_pages)
+        self.sequences: dict[int, Sequence] = {}
+        self.next_id = 0
+        self.lock = threading.RLock()
+        self.index = index
+        self.namespace = namespace
+        self.salt = salt
+        self.fault_hook = no_fault
+
+    def fault(self, point: str) -> None:
+        """The fault point ``point`` (the current hook decides whether it raises)."""
+        self.fault_hook(point)
+
+    # -- sequences ----------------------------------------------------------------------------------------
+    def sequence(self, seq) -> Sequence:
+        """The live sequence ``seq`` (TypeError for a non-integer id, ValueError for an unknown one)."""
+        if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)):
+            raise TypeError(f"seq: expected an integer sequence id, got {type(seq).__name__} {seq!r}")
+        try:
+            return self.sequences[int(seq)]
+        except KeyError:
+            raise ValueError(f"seq: expected a live sequence id {sorted(self.sequences)}, got {seq} "
+                             f"(freed or never created)") from None
+
+    def idle_sequence(self, seq) -> Sequence:
+        """`sequence`, and RuntimeError if it has an open transaction."""
+        s = self.sequence(seq)
+        if s.busy:
+            raise RuntimeError(f"seq: expected a sequence with no open transaction, got {seq} (in a transaction)")
+        return s
+
+    # -- pages --------------------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an append can take: clean free pages plus cached (evictable) prefix pages."""
+        return self.allocator.num_free_pages + self.allocator.num_parked
+
+    def needs_copy(self, page: int) -> bool:
+        """A write into ``page`` must copy it first: shared with another sequence, or registered (immutable)."""
+        return self.allocator.ref_count(page) > 1 or (self.index is not None and self.index.holds(page))
+
+    def take_pages(self, count: int, could_ever_fit: bool, what: str, journal: Journal) -> list[int]:
+        """``count`` pages: clean free pages first, then cached prefix pages evicted oldest first."""
+        alloc = self.allocator
+        available = alloc.num_free_pages + alloc.num_parked
+        if count > available:
+            raise CacheFullError(count, available, self.config.num_pages, could_ever_fit, what)
+        for _ in range(count - alloc.num_free_pages):
+            self.evict_one(journal)
+        pages = alloc.allocate(count, could_ever_fit=could_ever_fit, what=what)
+        journal.record(lambda: alloc.unallocate(pages))
+        return pages
+
+    def evict_one(self, journal: Journal) -> None:
+        """Unregister the least recently released cached page and put it on the free list."""
+        self.fault_hook("evict")
+        entry, stamp = self.index.evict_oldest()
+        self.allocator.reclaim(entry.page)
+        journal.record(lambda: (self.allocator.park(entry.page), self.index.restore_evicted(entry, stamp)))
+
+    def decref(self, page: int, journal: Journal | None) -> None:
+        """Drop one reference to ``page``; a registered page nobody holds any more is parked (cached)."""
+        alloc = self.allocator
+        freed = alloc.decref(page)
+        if journal is not None:
+            journal.record(lambda: alloc.undo_decref(page, freed))
+        if freed and self.index is not None and self.index.holds(page):
+            alloc.park(page)
+            self.index.park(page)
+            if journal is not None:
+                journal.record(lambda: (self.index.unpark(page), alloc.reclaim(page)))
+
+    def copy_on_write(self, s: Sequence, logical: int, new_page: int, journal: Journal) -> None:
+        """Give ``s`` a private copy (all layers) of its shared page at ``logical``."""
+        old_page = int(s.table[logical])
+        self.fault_hook("cow_copy")
+        self.pool.copy_page(old_page, new_page, journal)
+        s.table[logical] = new_page
+        journal.record(lambda: s.table.__setitem__(logical, old_page))
+        # Keep the reference to the old page until commit: a rollback points ``s`` back at it, so nobody else
+        # may write into it (or free and reuse it) while the transaction is open.
+        s.held.append(old_page)
+        journal.record(s.held.pop)
+
+    def atomically(self, change, publish) -> None:
+        """Run ``change(journal)``, then the fault point "publish", then ``publish()``; undo all on failure."""
+        journal = Journal()
+        try:
+            change(journal)
+            self.fault_hook("publish")
+        except BaseException:
+            journal.rollback()
+            raise
+        publish()
