@@ -5,9 +5,11 @@
     blocks.py     jitted building blocks over one page tile: q.k scores, p.v accumulation, online-softmax update,
                   normalise, split-K combine
     decode.py     the single-query ("decode") kernel: work units, planning, the parallel driver
-    int8.py       the same over int8 pages and their float16 group scales (kvcache.quant's format)
+    int8.py       the same over int8 pages and their float16 group scales (kvcache.quant's format); its row
+                  passes in int8_rows.py, its LLVM-IR micro-kernels in int8_simd.py
     multiquery.py the tiled multi-query kernel (extend, prefill, verification: runs of consecutive queries of one
-                  sequence, K/V blocks loaded once per tile of rows), its planning and parallel driver
+                  sequence, K/V blocks loaded once per tile of rows; int8 blocks widened with their scales),
+                  its planning and parallel driver
     gemm.py       the 4-row register-blocked micro-GEMM in LLVM IR that multiquery.py's tiles run on
     checks.py     the one-pass input check of the validating wrapper
 

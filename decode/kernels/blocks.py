@@ -12,13 +12,16 @@ from .simd import FAST, dot14, dot44, exp, ld, prefetch_lines, pv1, pv4
 
 @njit(cache=True, fastmath=FAST)
 def qk(qs, kp, s0, s1, S, c0):
-    """S[g, c0 + t - s0] = qs[g] . kp[t] for t in [s0, s1).  qs: [G, D] compute dtype, kp: [page_size, D] storage.
+    """S[g, c0 + t - s0] = qs[g] . kp[t] for t in [s0, s1).  qs: [G, D], kp: [page_size, D] storage.
     Blocks of 4 query heads x 4 keys (groups >= 4) or 1 x 4 (`dot44` / `dot14`: each key row loaded once per
-    block, the 16 or 4 dot products reduced together); leftover keys one at a time; head_dim beyond the last
-    multiple of 32 in a final pass, accumulated in float64 (head_dim 1-3 scores are then correctly rounded)."""
+    block, the 16 or 4 dot products reduced together), leftover keys one at a time, accumulated in qs's dtype.
+    float64 qs (the decode kernel, every storage dtype): all of head_dim in float64, every product exact (K
+    widened exactly), each score its exact value rounded once into S (up to ~head_dim * 2**-53 relative): the
+    float32-score floor. float32 qs (the int8 kernel's widened tiles): the first D - D % 32 elements in float32,
+    the rest (all of head_dim < 32) in a final float64 pass."""
     G = qs.shape[0]
     D = qs.shape[1]
-    n = D - D % 32
+    n = D if qs.itemsize == 8 else D - D % 32
     z = qs[0, 0] - qs[0, 0]
     g = 0
     while g + 4 <= G:

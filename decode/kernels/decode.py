@@ -103,7 +103,7 @@ def decode_units(q, k_pages, v_pages, page_indices, page_indptr, query_seq, quer
     G = q.shape[1] // H
     D = q.shape[2]
     Dv = v_pages.shape[3]
-    qs = np.empty((H, G, D), q.dtype)
+    qs = np.empty((H, G, D), np.float64)    # scores accumulated in float64 (exact products, one rounding into S)
     S = np.empty((H, G, block), q.dtype)
     m = np.empty((H, G), q.dtype)
     l = np.empty((H, G), q.dtype)

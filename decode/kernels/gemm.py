@@ -5,9 +5,11 @@ k, with each B row (a contiguous vector strip) loaded once per four A rows and A
         C[i0 + a, c0 : c0 + nv * LANES] (=|+=) sum_{k < nk} A_flat[(i0 + a) * a_rs + k * a_cs] * B[k, c0 : ...]
         for a < 4; init != 0 starts from zero, else from C.
 
-A (any 2-D C-contiguous compute-dtype array, addressed flat with element strides a_rs / a_cs, so the same block
-serves A and A transposed), B [nk.., cols] and C [rows, cols] C-contiguous compute-dtype arrays; LANES = 16 for
-float32, 8 for float64; nv in 1..4 (4 x nv accumulators stay in registers over the whole k loop). The caller
+A (any 2-D C-contiguous array, addressed flat with element strides a_rs / a_cs, so the same block serves A and
+A transposed) and B [nk.., cols] C-contiguous arrays of the accumulation dtype (A's = B's), C [rows, cols]
+C-contiguous, float32 or float64: float32 C with float64 A / B accumulates in float64 and rounds once into C
+(the multi-query kernel's exact scores). LANES = 16 for float32, 8 for float64 accumulation; nv in 1..4
+(4 x nv accumulators stay in registers over the whole k loop). The caller
 keeps every touched element inside the arrays (pads rows to 4 and columns to LANES). The plain-NumPy twin runs
 under NUMBA_DISABLE_JIT.
 """
@@ -30,10 +32,10 @@ def lanes(dtype) -> int:
 
 def gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init):
     """NumPy twin (see the module docstring)."""
-    n = nv * (8 if C.dtype == np.float64 else 16)
+    n = nv * lanes(B.dtype)
     flat = A.reshape(-1)
-    rows = np.array([[flat[(i0 + a) * a_rs + k * a_cs] for k in range(nk)] for a in range(MR)], dtype=C.dtype)
-    blk = rows.reshape(MR, nk) @ B[:nk, c0:c0 + n] if nk else np.zeros((MR, n), C.dtype)
+    rows = np.array([[flat[(i0 + a) * a_rs + k * a_cs] for k in range(nk)] for a in range(MR)], dtype=B.dtype)
+    blk = rows.reshape(MR, nk) @ B[:nk, c0:c0 + n] if nk else np.zeros((MR, n), B.dtype)
     if init:
         C[i0:i0 + MR, c0:c0 + n] = blk
     else:
@@ -54,14 +56,16 @@ if JIT:
     def _make_gemm(nv):
         def typer(typingctx, A, a_rs, a_cs, i0, B, c0, C, nk, init):
             if not (isinstance(A, types.Array) and isinstance(B, types.Array) and isinstance(C, types.Array)
-                    and A.dtype == B.dtype == C.dtype and isinstance(C.dtype, types.Float)):
+                    and A.dtype == B.dtype and isinstance(B.dtype, types.Float) and isinstance(C.dtype, types.Float)
+                    and C.dtype.bitwidth <= B.dtype.bitwidth):
                 return None
 
             def codegen(context, builder, sig, args):
-                cty = sig.args[6]
-                L = 8 if cty.dtype == types.float64 else 16
-                ft = context.get_value_type(cty.dtype)
-                vt = _ir.VectorType(ft, L)
+                bty, cty = sig.args[4], sig.args[6]
+                L = 8 if bty.dtype == types.float64 else 16
+                vt = _ir.VectorType(context.get_value_type(bty.dtype), L)
+                ct = _ir.VectorType(context.get_value_type(cty.dtype), L)      # C's vectors (narrower: rounded)
+                narrow = ct != vt
                 rs, cs, i0_, c0_, nk_ = (context.cast(builder, args[i], sig.args[i], types.int64)
                                          for i in (1, 2, 3, 5, 7))
                 init_ = context.cast(builder, args[8], sig.args[8], types.int64)
@@ -80,10 +84,11 @@ if JIT:
                     crow = builder.gep(c_data, [builder.add(builder.mul(builder.add(i0_, _ir.Constant(_I64, a)),
                                                                         c_cols), c0_)])
                     for v in range(nv):
-                        p = builder.bitcast(builder.gep(crow, [_ir.Constant(_I64, v * L)]), vt.as_pointer())
+                        p = builder.bitcast(builder.gep(crow, [_ir.Constant(_I64, v * L)]), ct.as_pointer())
                         c_ptrs.append(p)
+                        old = builder.load(p, align=4)
                         slots.append(_cg.alloca_once_value(builder, builder.select(
-                            is_init, zero, builder.load(p, align=4))))
+                            is_init, zero, builder.fpext(old, vt) if narrow else old)))
                 splat = _ir.Constant(_ir.VectorType(_I32, L), [0] * L)
                 with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), nk_, _ir.Constant(_I64, 1)) as (k, _):
                     brow = builder.gep(b_data, [builder.add(builder.mul(k, b_cols), c0_)])
@@ -99,7 +104,8 @@ if JIT:
                             sl = slots[a * nv + v]
                             builder.store(builder.call(fma, [xv, bv[v], builder.load(sl)]), sl)
                 for p, sl in zip(c_ptrs, slots):
-                    builder.store(builder.load(sl), p, align=4)
+                    x = builder.load(sl)
+                    builder.store(builder.fptrunc(x, ct) if narrow else x, p, align=4)
                 return context.get_dummy_value()
 
             return types.void(A, a_rs, a_cs, i0, B, c0, C, nk, init), codegen

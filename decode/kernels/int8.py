@@ -24,7 +24,7 @@ Scales (G = query heads per kv head; a page tile's float16 scales are converted 
 Scores, softmax and accumulation are float32, as for float16/float32 storage.
 
 The micro-kernels are in `int8_simd`, the per-tile row passes in `int8_rows`; the tiled multi-query path over
-int8 pages is `decode.kernels.multiquery` with scale arrays (its blocks widened by `int8_rows.widen_row`).
+int8 pages is `decode.kernels.multiquery` with scale arrays (its blocks widened by `int8_rows.widen_block`).
 """
 import numpy as np
 from numba import njit, prange

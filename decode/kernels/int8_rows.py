@@ -9,7 +9,7 @@ from numba import njit
 
 from .blocks import pv
 from .int8_simd import GROUP, dot4_i8, dot44_i8, h2f_all, pv1_i8, pv4_i8, widen32
-from .simd import FAST, ld
+from .simd import FAST
 
 
 @njit(cache=True, fastmath=FAST)
@@ -214,30 +214,19 @@ def qk_int8(qs, kp, st, s0, s1, S, c0):
 
 
 @njit(cache=True, fastmath=FAST)
-def widen_row(src, scales, dst):
-    """dst[d] = float32(src[d]) * float32(scales[d // 32]) for d < len(src): one int8 row and its float16 group
-    scales (uint16 bits) -> float32 (exact: 8 x 11 significant bits). src [width] int8, scales
-    [ceil(width / 32)] uint16, dst [>= width] float32. Whole groups by `widen32`, a short last group element by
-    element. The tiled multi-query kernel widens its K/V blocks with it (`multiquery._copy_block`)."""
-    D = src.shape[0]
-    full = D // GROUP
-    for g in range(full):
-        widen32(src, g * GROUP, dst, g * GROUP, ld(scales[g]))
-    if full * GROUP < D:
-        s = ld(scales[full])
-        for d in range(full * GROUP, D):
-            dst[d] = np.float32(src[d]) * s
-
-
-@njit(cache=True, fastmath=FAST)
 def widen_block(pool, scales, pages, h, b0, nb, nbp, dst):
     """dst[j, :width] = the int8 rows of kv head h at absolute positions b0 + j (j < nb) of the sequence with page
-    row `pages`, each value times its group's scale (float32, `widen_row`); rows nb..nbp-1 zero. The tiled
-    multi-query kernel's K/V block (a tile-local scratch: the pool is read directly, never copied dequantized).
-    pool [num_pages, num_kv_heads, page_size, width] int8, scales [num_pages, num_kv_heads, page_size,
-    ceil(width / 32)] uint16 (float16 bits), dst [>= nbp, >= width] float32."""
+    row `pages`, each value times its group's scale (float32); rows nb..nbp-1 zero. The tiled multi-query
+    kernel's K/V block (a tile-local scratch: the pool is read directly, never copied dequantized). Each page's
+    run of scales is converted to float32 in one vectorised pass (`h2f_all`: one conversion at a time where it
+    is used would chain them through a register merge), then whole groups are widened by `widen32`, a short last
+    group element by element. pool [num_pages, num_kv_heads, page_size, width] int8, scales [num_pages,
+    num_kv_heads, page_size, ceil(width / 32)] uint16 (float16 bits), dst [>= nbp, >= width] float32."""
     P = pool.shape[2]
     W = pool.shape[3]
+    NG = scales.shape[3]
+    full = W // GROUP
+    st = np.empty(min(nb, P) * NG, np.float32)
     t = b0
     j = 0
     while j < nb:
@@ -245,9 +234,17 @@ def widen_block(pool, scales, pages, h, b0, nb, nbp, dst):
         s0 = t - pg * P
         s1 = min(P, s0 + nb - j)
         tile = pool[pages[pg], h]
-        srows = scales[pages[pg], h]
+        h2f_all(scales[pages[pg], h, s0:s1], st)
         for s in range(s0, s1):
-            widen_row(tile[s], srows[s], dst[j + s - s0])
+            src = tile[s]
+            out = dst[j + s - s0]
+            k = (s - s0) * NG
+            for g in range(full):
+                widen32(src, g * GROUP, out, g * GROUP, st[k + g])
+            if full < NG:
+                sc = st[k + full]
+                for d in range(full * GROUP, W):
+                    out[d] = np.float32(src[d]) * sc
         j += s1 - s0
         t += s1 - s0
     for jj in range(nb, nbp):

@@ -5,8 +5,9 @@ A *run* is T >= 1 queries i0..i0+T-1 of one sequence at consecutive positions p0
 lo(t)..p0+t, lo = 0 or max(0, p0+t-window+1)). A *tile* is up to `tokens` consecutive queries of a run with the G
 query heads of one kv head h: rows r = t*G + g (token-major). Per tile, keys are taken `block` at a time:
 
-    Kb [nb, D] <- the block's K rows (widened to the compute dtype), ST [nb, R] = Kb @ QT  (QT [D, R]: the tile's
-    queries, transposed once per tile; the scale is applied to the dot products), the online softmax runs down ST's columns (one per row: the max,
+    Kb [nb, D] <- the block's K rows (widened exactly to float64), ST [nb, R] = Kb @ QT  (QT [D, R]: the tile's
+    queries in float64, transposed once per tile; accumulated in float64, every product exact, and rounded once
+    into ST in the compute dtype: the float32-score floor; the scale is applied to the dot products), the online softmax runs down ST's columns (one per row: the max,
     exp and sum vectorise over rows), O [R, Dv] += P @ Vb with P read as ST transposed.
 
 Both products go through `gemm.gemm4` (4 x up to 64 register blocks). Only blocks that cross the causal diagonal
@@ -98,6 +99,23 @@ if JIT:
                                                                       -(-nb // MR) * MR, dst)
 
 
+def score_scratch(D, R, nk, scales):
+    """QT [D, R] and Kb [nk, D], the score GEMM's operands: float64 for float pools (scales None: ST = Kb @ QT
+    accumulates in float64, every product exact, and is rounded once into the score tile), float32 for int8 pools
+    (their dequantized float32 rows, as `kernels.int8`). Chosen by type at compile time (an overload, as
+    `_copy_kv`); this body is the NUMBA_DISABLE_JIT twin."""
+    dt = np.float64 if scales is None else np.float32
+    return np.empty((D, R), dt), np.empty((nk, D), dt)
+
+
+if JIT:
+    @_overload(score_scratch)
+    def _score_scratch_typed(D, R, nk, scales):
+        if scales is None or isinstance(scales, (_types.NoneType, _types.Omitted)):
+            return lambda D, R, nk, scales: (np.empty((D, R), np.float64), np.empty((nk, D), np.float64))
+        return lambda D, R, nk, scales: (np.empty((D, R), np.float32), np.empty((nk, D), np.float32))
+
+
 @njit(cache=True, fastmath=EXP_FLAGS)
 def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi, neg):
     """Online softmax over the block's dot products ST[:nb, :Rp] (column r = row r of the tile, key b0 + j):
@@ -158,12 +176,14 @@ def attend_tile(q, k_pages, v_pages, pages, h, G, i0, pos0, nt, ka, kb, window, 
                 QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, k_scales=None, v_scales=None):
     """Unnormalised attention of one tile (queries i0..i0+nt-1 at positions pos0.., kv head h) over the keys in
     [ka, kb) of the sequence with page row `pages` (sc: the score scale in the compute dtype). Leaves m[R], l[R],
-    O[R, :Dv] (R = nt * G; rows padded to the vector width are zero queries). Scratch: QT [D, >=Rp], Kb [>=block+3, D], Vb [>=block+3, Dvp] (columns
+    O[R, :Dv] (R = nt * G; rows padded to the vector width are zero queries). Scratch: QT [D, >=Rp] and Kb [>=block+3, D]
+    (float64 for float pools: the score GEMM's accumulation dtype, `score_scratch`), Vb [>=block+3, Dvp] (columns
     Dv..Dvp-1 zero), ST [>=block+3, >=Rp], O [>=Rp, Dvp], m / l / alpha / rpos / rlo / jlo / jhi [>=Rp]; neg: NEG in the compute dtype.
     k_scales / v_scales: the int8 pools' scales (`_copy_kv`), None for float pools."""
     D = q.shape[2]
     Dvp = Vb.shape[1]
     L = 8 if O.itemsize == 8 else 16
+    LK = 8 if QT.itemsize == 8 else 16    # lanes of the score GEMM (its accumulation dtype: QT's)
     R = nt * G
     Rp = -(-R // L) * L
     _load_tile(q, i0, nt, h, G, QT, Rp)
@@ -187,9 +207,9 @@ def attend_tile(q, k_pages, v_pages, pages, h, G, i0, pos0, nt, ka, kb, window, 
         for j in range(0, nbp, MR):
             c = 0
             while c < Rp:
-                nv = min(4, (Rp - c) // L)
+                nv = min(4, (Rp - c) // LK)
                 gemm4(Kb, D, 1, j, QT, c, ST, D, nv, 1)
-                c += nv * L
+                c += nv * LK
         masked = (b1 - 1 > rpos[0]) | (b0 < rlo[R - 1])
         _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi, neg)
         for r in range(Rp):
@@ -237,8 +257,7 @@ def mq_units(q, k_pages, v_pages, page_indices, page_indptr, runs, units, u0, u1
     L = 8 if q.itemsize == 8 else 16
     Rmax = -(-(tokens * G) // L) * L
     Dvp = -(-Dv // L) * L
-    QT = np.empty((D, Rmax), dt)
-    Kb = np.empty((block + MR, D), dt)
+    QT, Kb = score_scratch(D, Rmax, block + MR, k_scales)
     Vb = np.zeros((block + MR, Dvp), dt)
     ST = np.empty((block + MR, Rmax), dt)
     O = np.empty((Rmax, Dvp), dt)

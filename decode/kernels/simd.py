@@ -145,8 +145,8 @@ if JIT:
 # vector micro-kernels written directly in LLVM IR (the register blocks LLVM cannot derive from scalar loops:
 # several dot products reduced together by one butterfly of shuffles instead of one horizontal sum each, and
 # PV accumulators kept in registers over a whole chunk of value rows). Each has a plain-NumPy twin for
-# NUMBA_DISABLE_JIT. Vectors are 16 float32 or 8 float64 lanes; `n` (a multiple of 32) elements are processed,
-# the callers handle the tail.
+# NUMBA_DISABLE_JIT. Vectors are 16 float32 or 8 float64 lanes. The dot blocks take any `n` (a last, masked
+# vector for n % lanes); the PV blocks process `n` (a multiple of 32) elements, the callers handle the tail.
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -156,7 +156,8 @@ def row_f(x):
 
 
 def dot44(qs, g, kp, t, n):
-    """16 dot products qs[g + a, :n] . kp[t + b, :n] (a, b < 4), a-major."""
+    """16 dot products qs[g + a, :n] . kp[t + b, :n] (a, b < 4), a-major, accumulated in qs's dtype (float64 qs:
+    the key rows are widened exactly, every product is exact and the sums carry ~2**-53 relative error)."""
     return tuple(np.dot(qs[g + a, :n], row_f(kp[t + b, :n])) for a in range(4) for b in range(4))
 
 
@@ -193,11 +194,29 @@ if JIT:
         return builder.gep(ary.data, [builder.mul(row, cols)])
 
     def _vload(context, builder, ptr, storage, lanes, vt):
-        """<lanes x compute> from ptr (storage element type); float16 bits are widened exactly."""
+        """<lanes x compute> from ptr (storage element type); float16 bits and float32 (into a float64 vector) are
+        widened exactly."""
         ety = context.get_value_type(storage)
         x = builder.load(builder.bitcast(ptr, _ir.VectorType(ety, lanes).as_pointer()), align=storage.bitwidth // 8)
         if storage == types.uint16:
             x = builder.fpext(builder.bitcast(x, _ir.VectorType(_ir.HalfType(), lanes)), vt)
+        elif x.type != vt:
+            x = builder.fpext(x, vt)
+        return x
+
+    def _vload_masked(context, builder, ptr, storage, lanes, vt, mask):
+        """`_vload` of the lanes where mask is set (the others read nothing and are zero)."""
+        ety = context.get_value_type(storage)
+        it = _ir.VectorType(ety, lanes)
+        name = "llvm.masked.load.v%d%s.p0" % (lanes, {16: "i16", 32: "f32", 64: "f64"}[storage.bitwidth])
+        fn = _cg.get_or_insert_function(builder.module, _ir.FunctionType(it, [it.as_pointer(), _I32, mask.type, it]),
+                                        name)
+        x = builder.call(fn, [builder.bitcast(ptr, it.as_pointer()), _ir.Constant(_I32, storage.bitwidth // 8), mask,
+                              _ir.Constant(it, None)])
+        if storage == types.uint16:
+            x = builder.fpext(builder.bitcast(x, _ir.VectorType(_ir.HalfType(), lanes)), vt)
+        elif it != vt:
+            x = builder.fpext(x, vt)
         return x
 
     def _fma(builder, vt, lanes):
@@ -257,13 +276,27 @@ if JIT:
                 krows = [_row(context, builder, kty, args[2], builder.add(t_, _ir.Constant(_I64, b))) for b in range(nt)]
                 slots = [_cg.alloca_once_value(builder, _ir.Constant(vt, None)) for _ in range(ng * nt)]
                 fma = _fma(builder, vt, lanes)
-                with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), n_, _ir.Constant(_I64, lanes)) as (i, _):
-                    qv = [_vload(context, builder, builder.gep(r, [i]), qty.dtype, lanes, vt) for r in qrows]
-                    kv = [_vload(context, builder, builder.gep(r, [i]), kty.dtype, lanes, vt) for r in krows]
+                rem = builder.srem(n_, _ir.Constant(_I64, lanes))
+                full = builder.sub(n_, rem)
+
+                def step(i, load):
+                    qv = [load(builder.gep(r, [i]), qty.dtype) for r in qrows]
+                    kv = [load(builder.gep(r, [i]), kty.dtype) for r in krows]
                     for a in range(ng):
                         for b in range(nt):
                             sl = slots[a * nt + b]
                             builder.store(builder.call(fma, [qv[a], kv[b], builder.load(sl)]), sl)
+
+                with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), full, _ir.Constant(_I64, lanes)) as (i, _):
+                    step(i, lambda ptr, st: _vload(context, builder, ptr, st, lanes, vt))
+                with builder.if_then(builder.icmp_signed(">", rem, _ir.Constant(_I64, 0)), likely=False):
+                    lane_ids = _ir.Constant(_ir.VectorType(_I64, lanes), list(range(lanes)))
+                    splat = builder.insert_element(_ir.Constant(_ir.VectorType(_I64, lanes), None), rem,
+                                                   _ir.Constant(_I32, 0))
+                    splat = builder.shuffle_vector(splat, _ir.Constant(_ir.VectorType(_I64, lanes), None),
+                                                   _ir.Constant(_ir.VectorType(_I32, lanes), [0] * lanes))
+                    mask = builder.icmp_signed("<", lane_ids, splat)
+                    step(full, lambda ptr, st: _vload_masked(context, builder, ptr, st, lanes, vt, mask))
                 sums = _reduce_many(builder, [builder.load(sl) for sl in slots], lanes)
                 return context.make_tuple(builder, sig.return_type, sums)
 
