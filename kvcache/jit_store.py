@@ -4,16 +4,13 @@ time beyond the kernel. float32 -> float16 is bit for bit NumPy's ``astype(np.fl
 ties to even; subnormals; inf above the range), other casts are the compiler's (IEEE round to nearest, as
 NumPy's), tested against NumPy.
 
-    store_kv_f16(k16, v16, layer, pages, offsets, k_bits, v_bits)           float16 pool, float32 input
+    store_token_f16(k16, v16, layer, page, offset, k_bits, v_bits)          float16 pool, float32 input
     scatter_kv(k_dst, v_dst, pages, offsets, k, v, k_old, v_old)             float pools, same dtype or a cast
     scatter_kv_f16(k16, v16, pages, offsets, k_bits, v_bits, k_old, v_old)   float16 pool (bits), float32 input
 
-Shapes for `store_kv_f16`:
-
-``k16 [num_layers, num_pages, num_kv_heads, page_size, head_dim]`` uint16 (the float16 pool viewed as its
-bits), ``v16`` likewise (head_dim_v); ``pages``, ``offsets`` int64 [B]: row b goes to slot ``offsets[b]`` of
-``pages[b]`` in ``layer``; ``k_bits [B, num_kv_heads, head_dim]`` uint32 (float32 values viewed as bits),
-``v_bits`` likewise.
+Shapes for `store_token_f16`: ``k16 [num_layers, num_pages, num_kv_heads, page_size, head_dim]`` uint16 (the
+float16 pool viewed as its bits), ``v16`` likewise (head_dim_v); the token goes to slot ``offset`` of ``page``
+in ``layer``; ``k_bits [num_kv_heads, head_dim]`` uint32 (float32 values viewed as bits), ``v_bits`` likewise.
 """
 import numpy as np
 from numba import njit
@@ -45,15 +42,15 @@ def f32_bits_to_f16(x):
 
 
 @njit(cache=True, nogil=True)
-def store_kv_f16(k16, v16, layer, pages, offsets, k_bits, v_bits):
+def store_token_f16(k16, v16, layer, page, offset, k_bits, v_bits):
     """See the module docstring."""
-    for b in range(pages.shape[0]):
-        page, offset = pages[b], offsets[b]
-        for h in range(k_bits.shape[1]):
-            for i in range(k_bits.shape[2]):
-                k16[layer, page, h, offset, i] = np.uint16(f32_bits_to_f16(k_bits[b, h, i]))
-            for i in range(v_bits.shape[2]):
-                v16[layer, page, h, offset, i] = np.uint16(f32_bits_to_f16(v_bits[b, h, i]))
+    for h in range(k_bits.shape[0]):
+        dst, src = k16[layer, page, h, offset], k_bits[h]
+        for i in range(src.shape[0]):
+            dst[i] = np.uint16(f32_bits_to_f16(src[i]))
+        dst, src = v16[layer, page, h, offset], v_bits[h]
+        for i in range(src.shape[0]):
+            dst[i] = np.uint16(f32_bits_to_f16(src[i]))
 
 
 @njit(cache=True, nogil=True)

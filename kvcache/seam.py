@@ -19,7 +19,7 @@ call:
 ``write(layer, seq, start, k, v, journal)``   store ``k [T, num_kv_heads, head_dim]``, ``v [T, ..., head_dim_v]``
                                               (storage dtype, checked) at positions ``start ..`` of ``seq``,
                                               saving the overwritten bytes in ``journal``
-``slot_rows(page, offset) -> slot``           one slot in every layer: ``(views, pages, offsets)``, the views
+``slot_rows(page, offset) -> slot``           one slot in every layer: ``(views, page, offset)``, the views
                                               ``[num_layers, num_kv_heads, width]`` of every page array (k, v;
                                               int8: the scales too) to save, see `PagePool.slot_rows`
 ``write_token(slot, layer, k, v)``            store one token's ``k [num_kv_heads, head_dim]``, ``v`` into

@@ -17,10 +17,11 @@ import numpy as np
 from . import quant
 from .checks import cast_to_storage
 from .config import CacheConfig
-from .jit_store import as_f32_bits, scatter_kv, scatter_kv_f16, store_kv_f16
+from .jit_store import as_f32_bits, scatter_kv, scatter_kv_f16, store_token_f16
 from .journal import Journal
 
-_JIT_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_F32 = np.dtype(np.float32)
+_JIT_FLOATS = (_F32, np.dtype(np.float64))
 
 
 class PagePool:
@@ -78,11 +79,10 @@ class PagePool:
                 dst[...] = data
 
     def slot_rows(self, page: int, offset: int) -> tuple:
-        """One token's slot in every layer: ``(views, pages, offsets)`` with ``views`` the ``[num_layers,
-        num_kv_heads, width]`` rows of slot ``offset`` of ``page`` in every array (k, v; int8: k_scales, v_scales
-        too), and ``pages`` / ``offsets`` int64 [1] for the jitted store (`write_token`)."""
-        return (tuple(array[:, page, :, offset] for array in self.arrays), np.array([page], dtype=np.int64),
-                np.array([offset], dtype=np.int64))
+        """One token's slot in every layer: ``(views, page, offset)`` with ``views`` the ``[num_layers,
+        num_kv_heads, width]`` rows of slot ``offset`` of ``page`` in every array (k, v; int8: k_scales,
+        v_scales too), to save and write (`write_token`)."""
+        return tuple(array[:, page, :, offset] for array in self.arrays), int(page), int(offset)
 
     def write_token(self, slot: tuple, layer: int, k: np.ndarray, v: np.ndarray, fault_hook) -> None:
         """Store one token's checked ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` into
@@ -90,12 +90,10 @@ class PagePool:
         saved the slot's bytes. float32 into float16 storage: one jitted store of both."""
         rows = slot[0]
         fault_hook("write_k")
-        if self.half:
-            kb, vb = as_f32_bits(k), as_f32_bits(v)
-            if kb is not None and vb is not None:
-                fault_hook("write_v")
-                store_kv_f16(self.k16, self.v16, layer, slot[1], slot[2], kb[None], vb[None])
-                return
+        if self.half and k.dtype == _F32 and v.dtype == _F32 and k.flags.c_contiguous and v.flags.c_contiguous:
+            fault_hook("write_v")
+            store_token_f16(self.k16, self.v16, layer, slot[1], slot[2], k.view(np.uint32), v.view(np.uint32))
+            return
         if self.quantized:
             rows[0][layer], rows[2][layer] = quant.quantize(k)
             fault_hook("write_v")

@@ -10,7 +10,7 @@ import pytest
 
 from decode import Decoder, batch_step, batch_transaction
 from kvcache import CacheFullError, KVCache
-from kvcache.jit_store import scatter_kv, scatter_kv_f16, store_kv_f16
+from kvcache.jit_store import scatter_kv, scatter_kv_f16, store_token_f16
 
 pytestmark = pytest.mark.kernel          # jitted paths: rerun JIT-free and bounds-checked by CI
 
@@ -142,7 +142,7 @@ def test_step_in_a_multi_token_batch_transaction_is_refused_unchanged():
     assert cache.fingerprint() == before
 
 
-def test_store_kv_f16_is_numpys_cast_bit_for_bit():
+def test_float16_stores_are_numpys_cast_bit_for_bit():
     rng = np.random.default_rng(4)
     bits = rng.integers(0, 2 ** 32, size=1 << 14, dtype=np.uint64).astype(np.uint32)
     sweep = np.arange(0x33000000 - 64, 0x38800000 + 64, 4099, dtype=np.uint32)         # subnormal float16s
@@ -151,15 +151,19 @@ def test_store_kv_f16_is_numpys_cast_bit_for_bit():
     x = np.concatenate([bits, sweep, edges, edges + 1, edges - 1])
     x = x[: len(x) // 16 * 16].reshape(-1, 2, 8)                 # [B, H, D]
     B = x.shape[0]
-    k16 = np.zeros((1, B, 2, 3, 8), np.uint16)
-    v16 = np.zeros((1, B, 2, 3, 8), np.uint16)
-    store_kv_f16(k16, v16, 0, np.arange(B, dtype=np.int64), np.full(B, 2, dtype=np.int64), x, x[::-1].copy())
     with np.errstate(over="ignore", invalid="ignore"):
         ref = x.view(np.float32).astype(np.float16).view(np.uint16)
     nan = np.isnan(x.view(np.float32))
-    assert (k16[0, :, :, 2][~nan] == ref[~nan]).all() and (v16[0, :, :, 2][~nan[::-1]] == ref[::-1][~nan[::-1]]).all()
-    assert np.isnan(k16[0, :, :, 2][nan].view(np.float16)).all()
-    assert not k16[0, :, :, :2].any() and not k16[0, :, :, 2:][..., :0].any()
+    k16, v16 = np.zeros((B, 2, 3, 8), np.uint16), np.zeros((B, 2, 3, 8), np.uint16)
+    old = np.empty_like(ref), np.empty_like(ref)
+    scatter_kv_f16(k16, v16, np.arange(B, dtype=np.int64), np.full(B, 2, dtype=np.int64), x, x[::-1].copy(), *old)
+    assert (k16[:, :, 2][~nan] == ref[~nan]).all() and (v16[:, :, 2][~nan[::-1]] == ref[::-1][~nan[::-1]]).all()
+    assert np.isnan(k16[:, :, 2][nan].view(np.float16)).all() and not k16[:, :, :2].any() and not old[0].any()
+    layers = np.zeros((2, 3, 2, 4, 8), np.uint16), np.zeros((2, 3, 2, 4, 8), np.uint16)
+    for b in range(0, B, max(1, B // 50)):                       # the one-token store, on a sample of rows
+        store_token_f16(*layers, 1, 2, 3, x[b], x[b])
+        assert (layers[0][1, 2, :, 3][~nan[b]] == ref[b][~nan[b]]).all()
+    assert not layers[0][0].any() and not layers[0][1, :2].any() and not layers[0][1, 2, :, :3].any()
 
 
 @pytest.mark.parametrize("pool_dtype, input_dtype", [("float32", "float32"), ("float32", "float64"),
