@@ -68,7 +68,7 @@ def render(res: Results, memory_rows=None, results_path: Path | None = None, doc
         "",
         "```sh",
         "python -m benchmarks.report --run --wait-quiet 900 --memory-json benchmarks/results/memory.json",
-        "    # waits (<= 15 min) for a quiet machine, runs the full suite (~6-8 min) into benchmarks/results/full-run.json,",
+        "    # waits (<= 15 min) for a quiet machine, runs the full suite (~25 min) into benchmarks/results/full-run.json,",
         "    # re-runs any benchmark that other processes disturbed, then writes this file and docs/img/*.png",
         "python -m decode.cli memory --json > benchmarks/results/memory.json        # the memory table's input",
         "python -m benchmarks.report benchmarks/results/full-run.json --memory-json benchmarks/results/memory.json",

@@ -50,6 +50,8 @@ def multiquery_section(res: Results) -> str:
     out = []
     for shape, impls in rows.items():
         eng, tor = impls.get("engine_extend"), impls.get("torch_sdpa")
+        if not eng and not tor:                  # the int8 rows (issue 11's section)
+            continue
         m = res.metrics(eng) if eng else {}
         alt = eng["extra"] if eng else {}
         out.append([shape, fmt_time(eng and eng["median"]), fmt_time(tor and tor["median"]),

@@ -138,15 +138,8 @@ def walk_plot(res: Results, plt, IMG: Path) -> list[str]:
         vals = [(rows.get((s, page)) or {}).get("extra", {}).get("frac_walk", 0) for s in shapes]
         ax.bar([i + (j - 0.5) * w for i in range(len(shapes))], vals, w, label=f"page {page}")
     ax.axhline(0.90, color="k", linestyle="--", linewidth=1, label="target 90%")
-    ax.set_xticks(range(len(shapes)))
-    ax.set_xticklabels([s.replace("-q32", "\nq32").replace("-n", "\nn") for s in shapes], fontsize=7)
-    ax.set_ylabel("fraction of the page-walk ceiling")
-    ax.legend(fontsize=7)
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(IMG / "walk_fractions.png", dpi=110)
-    plt.close(fig)
-    return ["walk_fractions.png"]
+    ticks = [s.replace("-q32", "\nq32").replace("-n", "\nn") for s in shapes]
+    return _finish_bars(plt, fig, ax, ticks, "fraction of the page-walk ceiling", IMG / "walk_fractions.png")
 
 
 def int8_plot(res: Results, plt, IMG: Path) -> list[str]:
@@ -163,15 +156,20 @@ def int8_plot(res: Results, plt, IMG: Path) -> list[str]:
     targets = {"MHA": 1.7, "GQA": 1.35, "MQA": 1 / 1.1}
     ax.scatter([i - w / 2 for i in x], [targets.get(r["extra"]["attention"], 0) for r in rows], color="k", marker="_",
                s=200, zorder=3, label="target vs float16")
-    ax.set_xticks(list(x))
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("int8 speed-up (median step)")
+    return _finish_bars(plt, fig, ax, labels, "int8 speed-up (median step)", IMG / "int8_speedup.png")
+
+
+def _finish_bars(plt, fig, ax, ticks: list, ylabel: str, path: Path) -> list[str]:
+    """Tick labels, axis label, legend and grid of a bar chart; saved to ``path`` and closed."""
+    ax.set_xticks(range(len(ticks)))
+    ax.set_xticklabels(ticks, fontsize=7)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(IMG / "int8_speedup.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return ["int8_speedup.png"]
+    return [path.name]
 
 
 def memory_series(rows) -> tuple[list, dict]:
