@@ -16,31 +16,14 @@ from numba import njit, prange
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _walk(k_pages, v_pages, pages, nthreads):
+def _walk(k_pages, v_pages, pages, nthreads, zero):
     """Sum of the K and V of ``pages [n]`` (physical page ids), thread c reading pages[c*n/T:(c+1)*n/T]; each
-    page as two contiguous runs [num_kv_heads * page_size * head_dim] (K, then V)."""
+    page as two contiguous runs [num_kv_heads * page_size * head_dim] (K, then V). ``zero`` sets the
+    accumulator: float32 for float pages, uint32 for float16 pages read as uint16 (an integer sum)."""
     n = pages.shape[0]
-    part = np.zeros(nthreads, dtype=np.float32)
+    part = np.full(nthreads, zero)
     for c in prange(nthreads):
-        s = np.float32(0.0)
-        for j in range(c * n // nthreads, (c + 1) * n // nthreads):
-            kp = k_pages[pages[j]].reshape(-1)
-            for i in range(kp.shape[0]):
-                s += kp[i]
-            vp = v_pages[pages[j]].reshape(-1)
-            for i in range(vp.shape[0]):
-                s += vp[i]
-        part[c] = s
-    return part.sum()
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _walk_u16(k_pages, v_pages, pages, nthreads):
-    """`_walk` for float16 pages (read as uint16; integer sum)."""
-    n = pages.shape[0]
-    part = np.zeros(nthreads, dtype=np.uint32)
-    for c in prange(nthreads):
-        s = np.uint32(0)
+        s = zero
         for j in range(c * n // nthreads, (c + 1) * n // nthreads):
             kp = k_pages[pages[j]].reshape(-1)
             for i in range(kp.shape[0]):
@@ -61,9 +44,9 @@ def page_walk(k_pages: np.ndarray, v_pages: np.ndarray, pages: np.ndarray) -> fl
     pages = np.ascontiguousarray(pages, dtype=np.int32)
     t0 = time.perf_counter()
     if k_pages.dtype == np.float16:
-        _walk_u16(k_pages.view(np.uint16), v_pages.view(np.uint16), pages, nthreads)
+        _walk(k_pages.view(np.uint16), v_pages.view(np.uint16), pages, nthreads, np.uint32(0))
     else:
-        _walk(k_pages, v_pages, pages, nthreads)
+        _walk(k_pages, v_pages, pages, nthreads, np.float32(0.0))
     return time.perf_counter() - t0
 
 

@@ -112,22 +112,11 @@ class PagePool:
         if self.half:
             kb, vb = as_f32_bits(k), as_f32_bits(v)
             if kb is not None and vb is not None:                     # float32 -> float16: one jitted scatter
-                fault_hook("write_k")
-                fault_hook("write_v")
-                k16, v16 = self.k16[layer], self.v16[layer]
-                k_old, v_old = np.empty(kb.shape, np.uint16), np.empty(vb.shape, np.uint16)
-                saved.append((k16, pages, offsets, k_old))
-                saved.append((v16, pages, offsets, v_old))
-                scatter_kv_f16(k16, v16, pages, offsets, kb, vb, k_old, v_old)
+                _scatter_saving(scatter_kv_f16, self.k16[layer], self.v16[layer], pages, offsets, kb, vb,
+                                fault_hook, saved)
                 return
         elif not self.quantized and k.dtype in _JIT_FLOATS and v.dtype in _JIT_FLOATS:   # one jitted scatter
-            fault_hook("write_k")
-            fault_hook("write_v")
-            k_dst, v_dst = self.k[layer], self.v[layer]
-            k_old, v_old = np.empty(k.shape, k_dst.dtype), np.empty(v.shape, v_dst.dtype)
-            saved.append((k_dst, pages, offsets, k_old))
-            saved.append((v_dst, pages, offsets, v_old))
-            scatter_kv(k_dst, v_dst, pages, offsets, k, v, k_old, v_old)
+            _scatter_saving(scatter_kv, self.k[layer], self.v[layer], pages, offsets, k, v, fault_hook, saved)
             return
         for name, values, scales, src in (("write_k", self.k, self.k_scales, k),
                                           ("write_v", self.v, self.v_scales, v)):
@@ -166,3 +155,15 @@ class PagePool:
 def _dense(pages: np.ndarray, count: int) -> np.ndarray:
     n, heads, size, dim = pages.shape                                        # [n, H, page_size, D]
     return pages.transpose(0, 2, 1, 3).reshape(n * size, heads, dim)[:count].copy()   # [tokens, H, D]
+
+
+def _scatter_saving(scatter, k_dst, v_dst, pages, offsets, k, v, fault_hook, saved: list) -> None:
+    """One jitted ``scatter`` of the rows ``k`` / ``v`` (already in the pool's element type) to slot
+    ``offsets[b]`` of ``pages[b]``, the overwritten rows kept in ``saved`` for `restore_rows`; the fault points
+    "write_k" and "write_v" are passed first."""
+    fault_hook("write_k")
+    fault_hook("write_v")
+    k_old, v_old = np.empty(k.shape, k_dst.dtype), np.empty(v.shape, v_dst.dtype)
+    saved.append((k_dst, pages, offsets, k_old))
+    saved.append((v_dst, pages, offsets, v_old))
+    scatter(k_dst, v_dst, pages, offsets, k, v, k_old, v_old)
