@@ -47,7 +47,7 @@ def wait_quiet(max_wait: float, threshold: float = 0.5, window: float = 2.0) -> 
 def run_process(python: str, impl: str, dtype: str, args) -> dict:
     cmd = [python, "-m", "benchmarks.vllm_peer", "--impl", impl, "--dtype", dtype, "--kinds", args.kinds,
            "--modes", args.modes, "--cold-mib", str(args.cold_mib), "--page-size", str(args.page_size),
-           "--budget", str(args.budget)]
+           "--budget", str(args.budget), "--threads", str(args.threads)]
     if args.cases:
         cmd += ["--cases", args.cases]
     if args.quick:
@@ -180,6 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--cold-mib", type=int, default=512)
     p.add_argument("--page-size", type=int, default=32)
     p.add_argument("--budget", type=float, default=0.6)
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--wait-quiet", type=float, default=0.0,
                    help="before each process wait up to this many seconds for the others to use < 0.5 cores")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
     info = {"started": started, "ended": time.strftime("%Y-%m-%d %H:%M:%S %z"), "rounds": args.rounds,
             "vllm": versions.get("vllm"), "torch": versions.get("torch"), "vllm_skipped": why,
             "summary": (f"{started} to {time.strftime('%H:%M %Z')}, {args.rounds} rounds of alternating processes "
-                        f"(order rotated each round), medians over rounds; 2 threads each; page / block "
+                        f"(order rotated each round), medians over rounds; {args.threads} thread(s) each; page / block "
                         f"{args.page_size}; cold = copies visited in rotation so >= {args.cold_mib} MiB of K/V lie "
                         f"between visits, hot = one copy; vLLM {versions.get('vllm', 'skipped')} "
                         f"(torch {versions.get('torch', '?')}, ISA {versions.get('isa', '?')}); other sessions used "

@@ -38,6 +38,7 @@ import numpy as np
 MiB = 1 << 20
 DTYPES = ("float32", "float16", "bfloat16")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+THREADS = 2             # --threads
 MIN_CALLS = 9           # per case and mode: the best of them survives a shared machine's scheduling delays
 TOLERANCE = {"float32": 2e-4, "float16": 3e-3, "bfloat16": 3e-2}    # vLLM rounds q to the storage dtype
 
@@ -169,7 +170,7 @@ class Engine:
         from decode import Decoder, batch_step
         from kvcache import KVCache
 
-        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(min(THREADS, numba.config.NUMBA_NUM_THREADS))
         self.data, c = data, data.case
         self.batch_step = batch_step
         self.decs, self.new = [], []
@@ -216,7 +217,7 @@ class VLLM:
         import vllm
         from vllm import _custom_ops as ops
 
-        torch.set_num_threads(2)
+        torch.set_num_threads(THREADS)
         self.torch, self.ops, self.data, c = torch, ops, data, data.case
         dt = torch_dtype(torch, data.dtype)
         amx = bool(torch.cpu._is_amx_tile_supported())
@@ -288,7 +289,7 @@ class SDPA:
         import torch
         import torch.nn.functional as F
 
-        torch.set_num_threads(2)
+        torch.set_num_threads(THREADS)
         self.torch, self.sdpa, self.data, c = torch, F.scaled_dot_product_attention, data, data.case
         if c.batch != 1:
             raise ValueError("sdpa: only one sequence")
@@ -407,8 +408,11 @@ def main(argv=None) -> int:
     p.add_argument("--cold-mib", type=int, default=512)
     p.add_argument("--page-size", type=int, default=32)
     p.add_argument("--budget", type=float, default=0.6, help="seconds of timed calls per case and mode")
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
+    global THREADS
+    THREADS = args.threads
     modes = args.modes.split(",")
     chosen = [c for c in cases(args.kinds.split(","), args.quick)
               if applies(args.impl, c) and (args.cases is None or c.name in args.cases.split(","))]
