@@ -178,7 +178,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
     if options is None:
         return False
     if not stream:
-        raise bad("stream_options", "stream_options: only allowed when stream is true")
+        raise bad("stream_options", "stream_options: expected only with \"stream\": true, got it with stream off")
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise bad("stream_options", f"stream_options: expected {{\"include_usage\": bool}}, got {options!r}")
     value = options.get("include_usage", False)
