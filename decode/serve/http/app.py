@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from . import protocol
 from .engine_loop import ABORTED, EngineFailed, EngineLoop, ShuttingDown
@@ -92,6 +93,8 @@ def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> 
         except protocol.APIError as err:
             metrics.rejected.inc()
             return error_response(err)
+        except ClientDisconnect:                   # gone before its body arrived: nothing was admitted
+            return Response(status_code=499)
         if req.stream:
             return StreamingResponse(sse_events(req, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
