@@ -200,13 +200,16 @@ def test_malformed_json_unknown_model_and_openai_exceptions(client, pool_checked
     assert info.value.body["param"] == "n"
 
 
-def test_prompt_larger_than_the_pool_is_refused_by_the_engine(start_server):
-    small = start_server(max_tokens=64)                     # 4 pages of 16: a 100-token prompt can never fit
+def test_prompt_larger_than_the_pool_is_refused(start_server):
+    small = start_server(max_tokens=64)                     # 4 pages of 16: the pool caps the context at 64
+    assert small.loop.engine.max_model_len == 64
     before = _pool_state(small)
     r = _post(small, "/v1/completions", completion_body(list(range(1, 101)), 4))
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] in ("prompt", "max_tokens")
-    assert _pool_state(small) == before and small.loop.stats()["loop_rejected"] == 1
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "64" in r.json()["error"]["message"] and "100" in r.json()["error"]["message"]
+    r = _post(small, "/v1/completions", completion_body(list(range(1, 41)), 30))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert _pool_state(small) == before
     ok = _post(small, "/v1/completions", completion_body(list(range(1, 21)), 4))
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 

@@ -83,7 +83,7 @@ def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> 
         except ShuttingDown as exc:
             raise protocol.APIError(503, str(exc), None, "service_unavailable") from None
         except ValueError as exc:                  # RequestRejected (a ValueError with .param): nothing was added
-            raise protocol.bad(getattr(exc, "param", None), str(exc)) from None
+            raise protocol.bad(api_param(getattr(exc, "param", None), req), str(exc)) from None
         return stream
 
     async def handle(request: Request, parse):
@@ -181,6 +181,13 @@ async def sse_events(req: protocol.ParsedRequest, stream: _Stream):
     finally:
         if not stream.finished:
             stream.engine_loop.abort(req.request_id)
+
+
+def api_param(param, req: protocol.ParsedRequest):
+    """The request field an engine refusal is about (the engine names ``prompt_token_ids``)."""
+    if param == "prompt_token_ids":
+        return "prompt" if req.kind == "completion" else "messages"
+    return param
 
 
 def make_sampling_params(kwargs: dict):

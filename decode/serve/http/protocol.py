@@ -314,7 +314,7 @@ def _choice(req: ParsedRequest, text: str, token_ids, finish_reason, stop_reason
 def final_response(req: ParsedRequest, out) -> dict:
     """The whole response of a non-streamed request from its last RequestOutput."""
     body = _envelope(req, chunk=False)
-    body["choices"] = [_choice(req, out.text, out.output_token_ids, out.finish_reason, out.stop_reason, False)]
+    body["choices"] = [_choice(req, out.text or "", out.output_token_ids, out.finish_reason, out.stop_reason, False)]
     body["usage"] = usage(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens or 0)
     if req.return_token_ids:
         body["prompt_token_ids"] = list(out.prompt_token_ids)
@@ -324,7 +324,7 @@ def final_response(req: ParsedRequest, out) -> dict:
 def stream_chunk(req: ParsedRequest, out, first: bool) -> dict:
     """One SSE chunk: the new text (and token ids) of one RequestOutput."""
     body = _envelope(req, chunk=True)
-    body["choices"] = [_choice(req, out.text_delta, out.new_token_ids, out.finish_reason if out.finished else None,
+    body["choices"] = [_choice(req, out.text_delta or "", out.new_token_ids, out.finish_reason if out.finished else None,
                                out.stop_reason if out.finished else None, True, first)]
     if req.include_usage:
         body["usage"] = None
