@@ -59,3 +59,16 @@ def pool_checked(server):
     from .harness import check_pool_idle
 
     check_pool_idle(server)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny test model's matmuls on one thread: on a loaded 2-core machine, torch's 2-thread OpenMP pool
+    measured 30-90x slower per call than one thread (a [400, 64] x [64, 128] float64 linear: ~0.6 ms vs 32-56 ms);
+    restored after the module."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -26,7 +26,7 @@ def plan(seed: int = 1234) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for i in range(REQUESTS):
-        prompt = [rng.randrange(3, 390) for _ in range(rng.randint(1, 96))]
+        prompt = [rng.randrange(3, 390) for _ in range(rng.randint(1, 64))]
         out.append({"kind": rng.choice(KINDS), "prompt": prompt, "max_tokens": rng.randint(1, 4),
                     "bad": rng.choice(BAD), "cancel_after_s": rng.uniform(0.0, 0.03), "chunks": rng.randint(1, 3)})
     return out
@@ -108,7 +108,8 @@ def test_soak_none_lost_none_leaked_rss_flat(start_server):
     growth = rss[-1] - rss[0]
     print(f"soak: {REQUESTS} requests, outcomes { {o: outcomes.count(o) for o in set(outcomes)} }, "
           f"RSS after warm-up {rss[0] / 2**20:.1f} MiB, after all {rss[-1] / 2**20:.1f} MiB "
-          f"(growth {growth / 2**20:+.1f} MiB, tolerance {RSS_TOLERANCE / 2**20:.0f} MiB), "
+          f"(growth {growth / 2**20:+.1f} MiB, tolerance {RSS_TOLERANCE / 2**20:.0f} MiB; per batch of {BATCH}: "
+          f"{[round(r / 2**20, 1) for r in rss]} MiB), "
           f"engine {engine_stats(server)}")
     assert growth <= RSS_TOLERANCE, [r / 2 ** 20 for r in rss]
 
