@@ -162,6 +162,8 @@ class EngineLoop:
         if tracked is None:
             return False                           # already finished (or never admitted)
         self.counts["aborted"] += 1
+        if self.metrics is not None:
+            self.metrics.observe_finished("abort")
         return bool(self.engine.abort(request_id))
 
     def _abort_all(self) -> None:
