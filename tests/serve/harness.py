@@ -5,14 +5,7 @@ import time
 
 import httpx2
 
-try:                                                    # TEMPORARY until decode.serve.Engine lands
-    from decode.serve import Engine
-except ImportError:
-    import decode.serve
-
-    from . import fake_engine
-    decode.serve.SamplingParams = fake_engine.SamplingParams
-    Engine = fake_engine.FakeEngine
+from decode.serve import Engine
 from decode.serve.http import ServedModel, Server
 
 MODEL_NAME = "tiny-f64"
