@@ -142,7 +142,8 @@ BAD_COMPLETIONS = [
     ({"suffix": "x"}, "suffix"), ({"bogus_option": 1}, "bogus_option"), ({"seed": -1}, "seed"),
     ({"stop": [""]}, "stop"), ({"stop": 5}, "stop"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [1, -2]}, "prompt"),
-    ({"prompt": [1, 10 ** 9]}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": list(range(1, 600))}, "prompt"),
+    ({"prompt": [1, 10 ** 9]}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": list(range(1, 600))}, "prompt"),
     ({"prompt": list(range(1, 400)), "max_tokens": 200}, "max_tokens"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"), ({"stream": 1}, "stream"),
 ]
@@ -151,7 +152,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages"),
     ({"tools": [{"type": "function"}]}, "tools"), ({"logprobs": True}, "logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
 ]
 
 

@@ -104,7 +104,7 @@ class EngineLoop:
                 self.latest_stats = dict(self.engine.stats())
         except BaseException as exc:               # noqa: BLE001 - reported to every open request, then re-raised
             self.error = exc
-            for rid, tracked in list(self._requests.items()):
+            for tracked in list(self._requests.values()):
                 self._deliver(tracked.sink, EngineFailed(f"engine loop failed: {exc!r}"))
             self._requests.clear()
             raise

@@ -324,8 +324,8 @@ def final_response(req: ParsedRequest, out) -> dict:
 def stream_chunk(req: ParsedRequest, out, first: bool) -> dict:
     """One SSE chunk: the new text (and token ids) of one RequestOutput."""
     body = _envelope(req, chunk=True)
-    body["choices"] = [_choice(req, out.text_delta or "", out.new_token_ids, out.finish_reason if out.finished else None,
-                               out.stop_reason if out.finished else None, True, first)]
+    finish, stop = (out.finish_reason, out.stop_reason) if out.finished else (None, None)
+    body["choices"] = [_choice(req, out.text_delta or "", out.new_token_ids, finish, stop, True, first)]
     if req.include_usage:
         body["usage"] = None
     return body
