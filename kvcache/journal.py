@@ -1,8 +1,16 @@
 """An undo journal: every change made by a cache operation records its inverse, and a failure replays the
-inverses newest-first, so metadata and bytes return exactly to what they were (O(changes), not O(cache))."""
+inverses newest-first, so metadata and bytes return exactly to what they were (O(changes), not O(cache)).
+
+Bytes no token ever used need no copy: the pool is allocated zeroed (`np.zeros`), so the slots of a page no
+committed token was ever written to hold zero bits, and their undo is to write zeros back. `save_bytes` checks
+that (one read of the view, no allocation) instead of trusting any bookkeeping, so a prefill into fresh pages
+keeps no copy of what it overwrites while a write over bytes someone left there (a freed page's old K/V, a
+test's painted sentinel) still saves them."""
 from typing import Callable
 
 import numpy as np
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}      # element bits by item size
 
 
 class Journal:
@@ -13,7 +21,11 @@ class Journal:
         self._undo.append(undo)
 
     def save_bytes(self, view: np.ndarray) -> None:
-        """Remember the current contents of ``view`` (a view into a pool array) before it is overwritten."""
+        """Remember the current contents of ``view`` (a view into a pool array) before it is overwritten: a copy,
+        or nothing but "zeros" when every bit of it is zero."""
+        if not view.view(_UINT[view.dtype.itemsize]).any():
+            self._undo.append(lambda: view.fill(0))
+            return
         saved = view.copy()
         self._undo.append(lambda: view.__setitem__(Ellipsis, saved))
 
