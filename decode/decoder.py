@@ -21,7 +21,7 @@ from kvcache.checks import check_int
 from . import window as _window
 from .inputs import InputChecks, check_single_layer, check_tokens, num_tokens_of
 from .layer_plan import LayerPools, attend_token
-from .transaction import DecoderTransaction
+from .decoder_transaction import DecoderTransaction
 
 
 class Decoder:

@@ -24,14 +24,14 @@ while another thread truncates or frees that same sequence.
 
 Modules: the state and shared page bookkeeping (`kvcache.core`), appends (`kvcache.appends`, handed to
 `Transaction` / `TokenWrite` through `kvcache.seam`), truncate / fork / free / release / prefix reuse
-(`kvcache.lifecycle`), invariants and fingerprints (`kvcache.audit`), snapshot state (`kvcache.snapshot_state`).
+(`kvcache.lifecycle`), invariants and fingerprints (`kvcache.integrity`), snapshot state (`kvcache.snapshot_state`).
 """
 import os
 from typing import NamedTuple
 
 import numpy as np
 
-from . import audit, lifecycle, snapshot, snapshot_state
+from . import integrity, lifecycle, snapshot, snapshot_state
 from .appends import append_seam
 from .checks import as_float_array, check_int, check_shape
 from .config import CacheConfig
@@ -84,7 +84,7 @@ class KVCache:
         self._pool = core.pool                     # the page arrays (values, int8 scales) and their byte operations
         self._k, self._v = core.pool.k, core.pool.v
         self.allocator = core.allocator
-        self._sequences = core.sequences           # {id: Sequence} (the tests' and `kvcache.memory`'s view)
+        self._sequences = core.sequences           # {id: Sequence} (the tests' and `kvcache.accounting`'s view)
         self._lock = core.lock
         self._seam = append_seam(core)
 
@@ -366,7 +366,7 @@ class KVCache:
         """AssertionError unless the allocator's invariants hold for the page tables and every sequence's
         table matches its length."""
         with self._lock:
-            audit.check_invariants(self._core)
+            integrity.check_invariants(self._core)
 
     def fingerprint(self, *, include_free_pages: bool = True) -> str:
         """sha256 over the pool bytes (int8: the scales too) and all metadata (free list order, ref counts, tables, lengths, token ids,
@@ -374,4 +374,4 @@ class KVCache:
         of the slots in use (positions below a holder's length; cached pages whole), what a snapshot keeps and
         the next operations can read (a new page's unwritten slots hold whatever was there before)."""
         with self._lock:
-            return audit.fingerprint(self._core, include_free_pages)
+            return integrity.fingerprint(self._core, include_free_pages)

@@ -13,7 +13,8 @@ import kvcache
 from kvcache import FaultInjector, InjectedFault, KVCache, bf16
 from kvcache.faults import no_fault
 from kvcache.jit_store import BFLOAT16, scatter_kv_bits, store_token_bits
-from kvcache.memory import kv_bytes_formula, memory_report
+from decode.app.measure_memory import memory_report
+from kvcache.accounting import kv_bytes_formula
 
 # every high half (sign, exponent, 7 mantissa bits) with low halves that decide the rounding: exact (0), just
 # above (1), just below / at / just above the tie (0x7fff, 0x8000, 0x8001), the top (0xffff), and random ones

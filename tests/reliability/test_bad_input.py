@@ -446,11 +446,15 @@ CACHE_LEVEL = [
 ]
 
 
-def _memory(call):
+def _memory(call, module="kvcache.accounting"):
     def make(w):
-        from kvcache import memory
-        return lambda: call(memory)
+        import importlib
+        return lambda: call(importlib.import_module(module))
     return make
+
+
+def _report(call):
+    return _memory(call, "decode.app.measure_memory")
 
 
 MEMORY = [
@@ -462,11 +466,11 @@ MEMORY = [
      r"^tokens: expected an integer >= 0, got -1$"),
     ("memory.formula-bool", _memory(lambda m: m.kv_bytes_formula(1, 1, 1, 1, True, 2)), TypeError,
      r"^head_dim: expected an integer, got bool True$"),
-    ("memory.report-kv-heads", _memory(lambda m: m.memory_report(kv_heads=3, measure=False)), ValueError,
+    ("memory.report-kv-heads", _report(lambda m: m.memory_report(kv_heads=3, measure=False)), ValueError,
      r"^kv_heads: expected a divisor of num_q_heads=32, got 3$"),
-    ("memory.report-no-kv-heads", _memory(lambda m: m.memory_report(kv_heads=[], measure=False)), ValueError,
+    ("memory.report-no-kv-heads", _report(lambda m: m.memory_report(kv_heads=[], measure=False)), ValueError,
      r"^kv_heads: expected at least one KV-head count, got none$"),
-    ("memory.report-dtype", _memory(lambda m: m.memory_report(dtype="int16", measure=False)), TypeError,
+    ("memory.report-dtype", _report(lambda m: m.memory_report(dtype="int16", measure=False)), TypeError,
      r"^dtype: expected one of float16, float32, float64, int8, bfloat16, got 'int16'$"),
 ]
 

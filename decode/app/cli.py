@@ -25,7 +25,7 @@ def engine_example_check(out_dir=None) -> tuple[bool, str]:
     from reference.example import example_qkv
     from reference.records import write_csv
 
-    from .decoder import Decoder
+    from decode import Decoder
 
     q, k, v = example_qkv()
     expected = attention_context(q, k, v)                                      # [3, 2] float64
@@ -64,7 +64,7 @@ def cmd_audit(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from kvcache import memory
+    from . import measure_memory as memory
 
     try:
         rows = [row for dtype in args.dtype
@@ -87,7 +87,7 @@ def cmd_demo(args) -> int:
 
 def cmd_generate(args) -> int:
     try:
-        from .hf import compare
+        from . import hf_compare as compare
     except ImportError as exc:                       # torch / transformers missing
         print(f"kvengine generate: needs the hf extra (pip install 'pagedkv[hf]'): {exc}", file=sys.stderr)
         return 2
@@ -95,7 +95,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "pytest", str(root / "benchmarks"), "--benchmark-only"]
     if args.quick:
         cmd.append("--quick")
