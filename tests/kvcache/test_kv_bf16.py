@@ -289,3 +289,18 @@ def test_memory_two_bytes_per_element():
                           page_size=16, measure=False)
     assert row["dtype"] == "bfloat16" and row["formula_bytes"] == 2 * 2 * 100 * 2 * 8 * 2 == row["value_bytes"]
     assert row["allocated_bytes"] == 7 * 16 * 2 * 2 * (8 + 8) * 2 and row["scale_bytes"] == 0
+
+
+@pytest.mark.slow
+def test_every_float32_bit_pattern_matches_torch():
+    """All 2**32 float32 bit patterns in chunks of 2**24 (a few minutes): every non-NaN equals torch's bits;
+    every NaN is 0x7fc0 here and a NaN in torch."""
+    torch = pytest.importorskip("torch")
+    step = 1 << 24
+    for start in range(0, 1 << 32, step):
+        x = np.arange(start, start + step, dtype=np.uint64).astype(np.uint32).view(np.float32)
+        ours = bf16.to_bits(x)
+        ref = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        nan = np.isnan(x)
+        assert (ours[~nan] == ref[~nan]).all(), f"chunk from {start:#x}"
+        assert (ours[nan] == bf16.QUIET_NAN).all() and np.isnan(bf16.to_float32(ref[nan])).all()
