@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8, 1])
     p.add_argument("--tokens", type=int, default=10_000)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", nargs="+", default=["float16", "int8"], choices=["float16", "float32", "float64", "int8"],
+    p.add_argument("--dtype", nargs="+", default=["float16", "int8"], choices=["float16", "float32", "float64", "int8", "bfloat16"],
                    help="storage dtypes, one set of rows each (default: float16 and int8)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--page-size", type=int, default=16)
