@@ -385,13 +385,13 @@ def run_case(impl_name: str, case: Case, dtype: str, modes, cold_mib: int, page_
 
 
 def engine_dtypes() -> list[str]:
-    """The storage dtypes the engine on this path accepts (bfloat16 once the engine has it)."""
-    from kvcache import KVCache
+    """The storage dtypes the engine's decoders on this path accept (bfloat16 once its kernels read it)."""
+    from decode import Decoder
 
     ok = []
     for dt in DTYPES:
         try:
-            KVCache(num_kv_heads=1, head_dim=32, dtype=dt, page_size=32, max_tokens=32)
+            Decoder(num_q_heads=2, num_kv_heads=1, head_dim=32, dtype=dt, page_size=32, max_tokens=32)
             ok.append(dt)
         except (ValueError, TypeError):
             pass
