@@ -55,8 +55,10 @@ class KVCache:
     ----------
     num_layers, num_kv_heads, head_dim : int
     head_dim_v : int or None      V head size (None: same as head_dim)
-    dtype : "float16" | "float32" | "float64" | "int8"   storage dtype (int8: quantized on write with a
-                                  float16 scale per 32 values, `kvcache.quant`; reads dequantize)
+    dtype : "float16" | "float32" | "float64" | "int8" | "bfloat16"   storage dtype (int8: quantized on write
+                                  with a float16 scale per 32 values, `kvcache.quant`; reads dequantize;
+                                  bfloat16: rounded to nearest even, pages of uint16 bits, `kvcache.bf16`;
+                                  reads widen to float32)
     page_size : int               tokens per page
     num_pages / max_tokens : int  pool size (give exactly one; max_tokens is rounded up to whole pages)
     prefix_caching : bool         register full pages by their token ids and reuse them (`match_prefix`)
@@ -304,7 +306,7 @@ class KVCache:
     def gather(self, seq: int, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Dense copies of what ``seq`` can read in ``layer``: ``K [length - first, num_kv_heads, head_dim]``,
         ``V [length - first, num_kv_heads, head_dim_v]`` for positions ``first = first_position(seq) ..
-        length - 1``, in the storage dtype (int8: dequantized to float32)."""
+        length - 1``, in the storage dtype (int8: dequantized to float32; bfloat16: widened to float32, exact)."""
         layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
         with self._lock:
             s = self._sequence(seq)
@@ -340,7 +342,7 @@ class KVCache:
                              f"got {sorted(keep - saved_ids)} not in it")
         cfg = state.config
         cache = cls(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                    head_dim_v=cfg.head_dim_v, page_size=cfg.page_size, num_pages=cfg.num_pages, dtype=cfg.dtype,
+                    head_dim_v=cfg.head_dim_v, page_size=cfg.page_size, num_pages=cfg.num_pages, dtype=cfg.storage,
                     prefix_caching=state.prefix_caching, namespace=state.namespace)
         snapshot_state.restore(cache._core, state)
         for seq in sorted(saved_ids - keep):
