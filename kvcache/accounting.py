@@ -4,7 +4,8 @@ memory measurement, `memory_report`, is a program, `decode.app.measure_memory`).
     formula bytes = layers * batch * tokens * kv_heads * (head_dim + head_dim_v) * bytes_per_element
                   = 2 * layers * batch * tokens * kv_heads * head_dim * bytes_per_element   (head_dim_v == head_dim)
 
-int8 storage (`kvcache.quant`) stores 1 byte per element plus a float16 scale per 32 values of each row:
+bytes_per_element: 8 float64, 4 float32, 2 float16 and bfloat16 (`kvcache.bf16`: uint16 bits), 1 int8. int8
+storage (`kvcache.quant`) stores 1 byte per element plus a float16 scale per 32 values of each row:
 
     scale bytes   = layers * batch * tokens * kv_heads * (ceil(head_dim / 32) + ceil(head_dim_v / 32)) * 2
     formula bytes = the formula above with bytes_per_element = 1, plus the scale bytes  (6.25% at head_dim 128)

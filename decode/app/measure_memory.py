@@ -21,7 +21,7 @@ import numpy as np
 
 from kvcache import KVCache
 from kvcache.accounting import GIB, MIB, attention_kind, cache_memory, kv_bytes_formula, kv_scale_bytes_formula
-from kvcache.checks import check_int, check_storage_dtype
+from kvcache.checks import check_int, check_storage_dtype, storage_array_dtype
 
 __all__ = ["memory_report", "format_table"]
 
@@ -140,8 +140,8 @@ def _build_and_fill(shape: dict, measure: bool) -> dict:
     and return `cache_memory` (plus RSS readings when ``measure``; the fill's one-time costs are run first,
     `_warm_up`, so that the baseline holds them). Runs in the measuring subprocess."""
     layers, kv, d, tokens = shape["layers"], shape["kv_heads"], shape["head_dim"], shape["tokens"]
-    dtype, chunk = np.dtype(shape["dtype"]), shape["chunk"]
-    inputs = np.float32 if dtype == np.int8 else dtype              # int8 storage takes float input
+    dtype, chunk = shape["dtype"], shape["chunk"]
+    inputs = np.float32 if dtype in ("int8", "bfloat16") else np.dtype(dtype)    # they take float input
     block = np.full((layers, chunk, kv, d), 0.5, dtype=inputs)      # touched now: part of the baseline
     rss = {}
     if measure and tokens:
@@ -190,7 +190,8 @@ def _naive_concat_peak(shape: dict) -> dict:
     ``[batch * (tokens - 1), kv_heads, head_dim]`` (touched), then one more token appended to every layer by
     ``np.concatenate`` — the old and the new array of a layer are alive together while it copies. Returns the
     RSS increase at the peak (VmHWM) and at the end. Runs in its own fresh subprocess."""
-    layers, kv, d, dtype = shape["layers"], shape["kv_heads"], shape["head_dim"], np.dtype(shape["dtype"])
+    layers, kv, d = shape["layers"], shape["kv_heads"], shape["head_dim"]
+    dtype = storage_array_dtype(shape["dtype"])                       # bfloat16: its bits, the same bytes
     rows = shape["batch"] * shape["tokens"]
     new_token = np.full((1, kv, d), 0.5, dtype=dtype)
     _trim_heap()
@@ -260,21 +261,22 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
     for kv in kv_list:
         if num_q_heads % kv:
             raise ValueError(f"kv_heads: expected a divisor of num_q_heads={num_q_heads}, got {kv}")
-    storage = check_storage_dtype("dtype", dtype)
-    quantized = storage == np.int8
+    storage = check_storage_dtype("dtype", dtype)                    # the format's name
+    itemsize = storage_array_dtype(storage).itemsize
+    quantized = storage == "int8"
     pages_per_seq = -(-tokens // page_size)
     num_pages = max(1, batch * pages_per_seq)
 
     def token_bytes(kv):                                 # K and V of one token, all layers (int8: with scales)
         scales = kv_scale_bytes_formula(layers, 1, 1, kv, head_dim) if quantized else 0
-        return layers * kv * 2 * head_dim * storage.itemsize + scales
+        return layers * kv * 2 * head_dim * itemsize + scales
 
     shapes = []
     for kv in kv_list:
-        input_size = 4 if quantized else storage.itemsize
+        input_size = 4 if storage in ("int8", "bfloat16") else itemsize
         chunk = max(1, min(tokens, FILL_CHUNK_BYTES // (layers * kv * head_dim * input_size)))
         shapes.append({"layers": layers, "kv_heads": kv, "head_dim": head_dim, "tokens": tokens, "batch": batch,
-                       "page_size": page_size, "num_pages": num_pages, "dtype": storage.name, "chunk": chunk})
+                       "page_size": page_size, "num_pages": num_pages, "dtype": storage, "chunk": chunk})
     if measure:                                          # refuse before measuring anything
         for shape in shapes:
             _check_fits(shape, num_pages * page_size * token_bytes(shape["kv_heads"]))
@@ -292,7 +294,7 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
             twin = dict(shape, layers=1, kv_heads=1, head_dim=1, chunk=max(shape["chunk"], tokens // 1000))
             result = _build_and_fill(twin, measure=False)
         acc = result["accounting"]
-        values = kv_bytes_formula(layers, batch, tokens, kv, head_dim, storage.itemsize)
+        values = kv_bytes_formula(layers, batch, tokens, kv, head_dim, itemsize)
         scales = kv_scale_bytes_formula(layers, batch, tokens, kv, head_dim) if quantized else 0
         formula = values + scales
         used = acc["pages_used"] * page_size * token_bytes(kv)
@@ -302,7 +304,7 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
         rows.append({
             "attention": attention_kind(num_q_heads, kv),
             "kv_heads": kv, "num_q_heads": num_q_heads, "layers": layers, "batch": batch, "tokens": tokens,
-            "head_dim": head_dim, "dtype": storage.name, "page_size": page_size, "num_pages": num_pages,
+            "head_dim": head_dim, "dtype": storage, "page_size": page_size, "num_pages": num_pages,
             "formula_bytes": formula,
             "formula_gib": formula / GIB,
             "value_bytes": values,

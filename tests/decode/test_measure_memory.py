@@ -55,7 +55,7 @@ def test_report_single_int_kv_heads_and_zero_tokens():
     ({"kv_heads": (0,)}, ValueError, "kv_heads: expected an integer >= 1, got 0"),
     ({"tokens": -5}, ValueError, "tokens: expected an integer >= 0, got -5"),
     ({"layers": 1.5}, TypeError, "layers: expected an integer, got float 1.5"),
-    ({"dtype": "int16"}, TypeError, "dtype: expected one of float16, float32, float64, int8"),
+    ({"dtype": "int16"}, TypeError, "dtype: expected one of float16, float32, float64, int8, bfloat16"),
 ])
 def test_report_arguments_checked(kwargs, error, message):
     with pytest.raises(error, match=f"^{message}"):
