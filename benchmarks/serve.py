@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import common
 from benchmarks.serve_workload import make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,12 +225,8 @@ def main(argv=None) -> int:
                          f"per process, fresh process per cell; load average (1 min) at the end of each process "
                          f"{min(load, default=0):.1f}-{max(load, default=0):.1f} on this 2-vCPU machine shared with "
                          f"other sessions; vLLM {next((r.get('vllm') for r in runs if r.get('vllm')), why)}.")}
-    text = markdown(rows, info)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"info": info, "summary": rows, "runs": runs}, indent=1))
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+    common.write_results(markdown(rows, info), {"info": info, "summary": rows, "runs": runs}, args.out,
+                         args.markdown)
     if args.plot:
         plot(rows, Path(args.plot))
     return 0

@@ -24,7 +24,9 @@ import os
 import sys
 import time
 
-from benchmarks.serve_workload import figures, peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks.generate import peak_rss_bytes, rss_bytes
+from benchmarks.hf_generate import Stamps, reset_peak_rss
+from benchmarks.serve_workload import figures
 
 
 def kv_bytes_per_token(config, itemsize: int) -> int:
@@ -168,16 +170,6 @@ def run_static(args, workload, warm) -> tuple[dict, dict]:
     model = load_hf(args)
     itemsize = torch.empty((), dtype=model.dtype).element_size()
     per_token = kv_bytes_per_token(model.config, itemsize)
-
-    class Stamps:
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
 
     def generate(batch, stamps=None):
         width = max(len(r["prompt"]) for r in batch)

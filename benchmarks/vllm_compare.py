@@ -21,14 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import common
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")
-
-
-def machine_busy_s():
-    with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:9]]
-    return sum(vals[:3] + vals[5:7]) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_quiet(max_wait: float, threshold: float = 0.5, window: float = 2.0) -> tuple[float, float]:
@@ -36,12 +32,11 @@ def wait_quiet(max_wait: float, threshold: float = 0.5, window: float = 2.0) -> 
     returns (seconds waited, cores the others used in the last window)."""
     t0 = time.perf_counter()
     while True:
-        b0 = machine_busy_s()
-        time.sleep(window)
-        used = (machine_busy_s() - b0) / window
+        with common.OtherLoad() as load:
+            time.sleep(window)
         waited = time.perf_counter() - t0
-        if used < threshold or waited >= max_wait:
-            return waited, used
+        if load.others is None or load.others < threshold or waited >= max_wait:
+            return waited, load.others
 
 
 def run_process(python: str, impl: str, dtype: str, args) -> dict:
@@ -53,18 +48,15 @@ def run_process(python: str, impl: str, dtype: str, args) -> dict:
     if args.quick:
         cmd.append("--quick")
     waited, before = wait_quiet(args.wait_quiet) if args.wait_quiet > 0 else (0.0, None)
-    busy0, t0 = machine_busy_s(), time.perf_counter()
-    own0 = os.times()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    wall = time.perf_counter() - t0
-    own1 = os.times()
+    t0 = time.perf_counter()
+    with common.OtherLoad() as load:                 # what other sessions used meanwhile
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    own = (own1.children_user + own1.children_system) - (own0.children_user + own0.children_system)
-    out["wall_s"], out["waited_s"], out["others_before"] = wall, waited, before
-    out["other_cores"] = max(0.0, (machine_busy_s() - busy0 - own) / wall)   # what other sessions used meanwhile
+    out["wall_s"], out["waited_s"], out["others_before"] = time.perf_counter() - t0, waited, before
+    out["other_cores"] = load.others or 0.0
     return out
 
 
@@ -222,12 +214,8 @@ def main(argv=None) -> int:
                         f"(torch {versions.get('torch', '?')}, ISA {versions.get('isa', '?')}); other sessions used "
                         f"{statistics.median(other) if other else 0:.2f} cores on average (median over processes, "
                         f"max {max(other) if other else 0:.2f}) of this 2-vCPU machine while the processes ran.")}
-    text = markdown(rows, info)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"info": info, "summary": rows, "runs": runs}, indent=1))
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+    common.write_results(markdown(rows, info), {"info": info, "summary": rows, "runs": runs}, args.out,
+                         args.markdown)
     return 0
 
 
