@@ -35,8 +35,13 @@ def kv_bytes_per_token(config, itemsize: int) -> int:
 
 
 class Clock:
+    """The run's start: wall time (token times are relative to it) and this process's CPU time (all threads)."""
+
+    last = None
+
     def __init__(self):
-        self.t0 = time.perf_counter()
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        Clock.last = self
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -86,6 +91,7 @@ def run_engine(args, workload, warm) -> tuple[dict, dict]:
 
 def run_vllm(args, workload, warm) -> tuple[dict, dict]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")      # keep torch.set_num_threads(--threads)
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -114,7 +120,8 @@ def run_vllm(args, workload, warm) -> tuple[dict, dict]:
         return out
 
     times = drive(workload, add, step, engine.has_unfinished_requests, clock)
-    return times, {"vllm": vllm.__version__, "block_size": max(32, args.block_size), "enforce_eager": True}
+    return times, {"vllm": vllm.__version__, "block_size": max(32, args.block_size), "enforce_eager": True,
+                   "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}
 
 
 def load_hf(args, attn="sdpa"):
@@ -234,12 +241,15 @@ def main(argv=None) -> int:
         workload = json.load(f)
     warm = workload[0]["prompt"][:32]
     rss0 = rss_bytes()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     times, extra = SYSTEMS[args.system](args, workload, warm)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    run_cpu = time.process_time() - Clock.last.cpu0          # CPU seconds of the serving phase, every thread
     result = {"system": args.system, "threads": args.threads, "kv_budget": args.kv_budget,
               **figures(workload, times), "peak_rss_bytes": peak_rss_bytes(), "rss_at_start_bytes": rss0,
-              "process_wall_s": wall, "loadavg": os.getloadavg(), "torch": torch.__version__, **extra}
+              "process_wall_s": wall, "process_cpu_s": cpu,
+              "run_cpu_s": run_cpu, "output_tokens_per_cpu_s": sum(map(len, times.values())) / max(run_cpu, 1e-9),
+              "loadavg": os.getloadavg(), "torch": torch.__version__, **extra}
     print(json.dumps(result))
     return 0
 
