@@ -36,6 +36,7 @@ from .appends import append_seam
 from .checks import as_float_array, check_int, check_shape
 from .config import CacheConfig
 from .core import CacheCore
+from .group import OpGroup
 from .prefix import PrefixIndex, check_namespace, check_token_ids
 from .sequence import Sequence
 from .token import TokenWrite
@@ -176,7 +177,15 @@ class KVCache:
             seq, core.next_id = core.next_id, core.next_id + 1
             core.sequences[seq] = s = Sequence()
             s.namespace = namespace
+            core.keep_for_group(None, lambda: core.forget_created(seq))
             return seq
+
+    def group(self, *, span_calls: bool = False) -> OpGroup:
+        """Sequence operations undone together (`kvcache.group.OpGroup`): ``with cache.group(): ...`` rolls
+        back every create_sequence / fork / free / truncate / release_before / match_prefix of the block if it
+        raises, sequence-id counter included. ``span_calls=True``: the group stays open across blocks until
+        ``close()`` or ``rollback()``."""
+        return OpGroup(self._core, span_calls)
 
     def token_ids(self, seq: int) -> np.ndarray:
         """``int32 [num_known]``: the token ids known for positions ``0 ..`` of ``seq`` (a copy)."""

@@ -17,6 +17,11 @@ class Journal:
         saved = view.copy()
         self._undo.append(lambda: view.__setitem__(Ellipsis, saved))
 
+    def extend(self, other: "Journal") -> None:
+        """Take over ``other``'s undo steps (they run after this journal's newer ones, before its older ones)."""
+        self._undo.extend(other._undo)
+        other._undo.clear()
+
     def rollback(self) -> None:
         while self._undo:
             self._undo.pop()()
