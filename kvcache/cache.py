@@ -22,26 +22,24 @@ into pages a transaction owns exclusively (copy-on-write made sure of it). A seq
 transaction refuses every other mutation (`RuntimeError`). Not safe: reading a sequence (gather, attention)
 while another thread truncates or frees that same sequence.
 
-Modules: the state and shared page bookkeeping (`kvcache.core`), appends (`kvcache.appends`, handed to
-`Transaction` / `TokenWrite` through `kvcache.seam`), truncate / fork / free / release / prefix reuse
-(`kvcache.lifecycle`), invariants and fingerprints (`kvcache.audit`), snapshot state (`kvcache.snapshot_state`).
+Modules: the state and shared page bookkeeping (`kvcache.core`), appends (the cache side: `kvcache.appender`;
+the transaction protocol and its three shapes: `kvcache.transaction`), truncate / fork / free / release / prefix reuse
+(`kvcache.lifecycle`), invariants and fingerprints (`kvcache.integrity`), snapshot state (`kvcache.snapshot_state`).
 """
 import os
 from typing import NamedTuple
 
 import numpy as np
 
-from . import audit, lifecycle, snapshot, snapshot_state
-from .appends import append_seam
-from .checks import as_float_array, check_int, check_shape
+from . import integrity, lifecycle, snapshot, snapshot_state
+from .appender import Appender
+from .checks import check_int
 from .config import CacheConfig
 from .core import CacheCore
 from .group import OpGroup
 from .prefix import PrefixIndex, check_namespace, check_token_ids
 from .sequence import Sequence
-from .token import TokenWrite
-from .token_batch import TokenBatch
-from .transaction import Transaction
+from .transaction import TokenBatch, TokenWrite, Transaction
 
 
 class PrefixMatch(NamedTuple):
@@ -57,8 +55,10 @@ class KVCache:
     ----------
     num_layers, num_kv_heads, head_dim : int
     head_dim_v : int or None      V head size (None: same as head_dim)
-    dtype : "float16" | "float32" | "float64" | "int8"   storage dtype (int8: quantized on write with a
-                                  float16 scale per 32 values, `kvcache.quant`; reads dequantize)
+    dtype : "float16" | "float32" | "float64" | "int8" | "bfloat16"   storage dtype (int8: quantized on write
+                                  with a float16 scale per 32 values, `kvcache.quant`; reads dequantize;
+                                  bfloat16: rounded to nearest even, pages of uint16 bits, `kvcache.bf16`;
+                                  reads widen to float32)
     page_size : int               tokens per page
     num_pages / max_tokens : int  pool size (give exactly one; max_tokens is rounded up to whole pages)
     prefix_caching : bool         register full pages by their token ids and reuse them (`match_prefix`)
@@ -83,9 +83,9 @@ class KVCache:
         self._pool = core.pool                     # the page arrays (values, int8 scales) and their byte operations
         self._k, self._v = core.pool.k, core.pool.v
         self.allocator = core.allocator
-        self._sequences = core.sequences           # {id: Sequence} (the tests' and `kvcache.memory`'s view)
+        self._sequences = core.sequences           # {id: Sequence} (the tests' and `kvcache.accounting`'s view)
         self._lock = core.lock
-        self._seam = append_seam(core)
+        self._appender = Appender(core)
 
     @property
     def index(self) -> PrefixIndex | None:
@@ -203,19 +203,7 @@ class KVCache:
         ``layered``: ``k [num_layers, T, num_kv_heads, head_dim]`` (``[T, ...]`` accepted for one layer);
         otherwise one layer's ``k [T, num_kv_heads, head_dim]``. ``v`` likewise with ``head_dim_v``.
         """
-        cfg = self.config
-        k, v = as_float_array("k", k), as_float_array("v", v)
-        if layered and k.ndim == 3 and cfg.num_layers == 1:
-            k, v = k[None], v[None] if v.ndim == 3 else v
-        lead, labels = ((cfg.num_layers,), "[num_layers, T, num_kv_heads, ") if layered else ((), "[T, num_kv_heads, ")
-        if num_tokens is None:
-            if k.ndim != len(lead) + 3:                    # no T to show: name it
-                shape = ", ".join(map(str, lead + ("T", cfg.num_kv_heads, cfg.head_dim)))
-                raise ValueError(f"k: expected shape {labels}head_dim] = ({shape}), got {k.shape}")
-            num_tokens = k.shape[len(lead)]
-        check_shape("k", k, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim), labels + "head_dim]")
-        check_shape("v", v, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim_v), labels + "head_dim_v]")
-        return self._pool.check("k", k), self._pool.check("v", v)
+        return self._appender.check_kv(k, v, num_tokens, layered=layered)
 
     def check_storable(self, name: str, x: np.ndarray) -> np.ndarray:
         """A float array of any shape validated for this pool's storage: cast to the storage dtype (finite after
@@ -246,7 +234,7 @@ class KVCache:
         for seq, count in num_tokens.items():
             self._sequence(seq)
             checked[int(seq)] = check_int(f"num_tokens[{seq}]", count)
-        return Transaction(self, self._seam, checked, self._check_token_ids(token_ids, checked)).begin()
+        return Transaction(self._appender, checked, self._check_token_ids(token_ids, checked))
 
     def _check_token_ids(self, token_ids, num_tokens: dict[int, int]) -> dict:
         if token_ids is None:
@@ -264,8 +252,8 @@ class KVCache:
     def begin_token(self, seq: int, *, token_id=None) -> "TokenWrite":
         """Reserve position `length` of ``seq`` for one token (the decode-step path); see `TokenWrite`.
         ``token_id`` (optional): the token's id, for prefix caching."""
-        ids = None if token_id is None else check_token_ids("token_id", np.atleast_1d(token_id), 1)
-        return TokenWrite(self, self._seam, seq, ids)
+        ids = None if token_id is None else [check_token_ids("token_id", np.atleast_1d(token_id), 1)]
+        return TokenWrite(self._appender, [seq], ids)
 
     def begin_tokens(self, seqs, *, token_ids=None) -> TokenBatch:
         """Reserve position `length` of each of ``seqs`` (distinct sequence ids) for one token each (the batched
@@ -284,7 +272,10 @@ class KVCache:
                 raise TypeError(f"token_ids: expected a dict {{seq: token id}}, got {type(token_ids).__name__}")
             ids = self._check_token_ids({seq: np.atleast_1d(i) for seq, i in token_ids.items()},
                                         dict.fromkeys(map(int, seqs), 1))
-        return TokenBatch(self, self._seam, [int(seq) for seq in seqs], ids)
+        seqs = [int(seq) for seq in seqs]
+        if ids is not None:
+            ids = [ids.get(seq) for seq in seqs]
+        return (TokenWrite if len(seqs) == 1 else TokenBatch)(self._appender, seqs, ids)
 
     # -- prefix reuse -------------------------------------------------------------------------------------
     def match_prefix(self, token_ids, *, namespace=None) -> PrefixMatch:
@@ -325,7 +316,7 @@ class KVCache:
     def gather(self, seq: int, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Dense copies of what ``seq`` can read in ``layer``: ``K [length - first, num_kv_heads, head_dim]``,
         ``V [length - first, num_kv_heads, head_dim_v]`` for positions ``first = first_position(seq) ..
-        length - 1``, in the storage dtype (int8: dequantized to float32)."""
+        length - 1``, in the storage dtype (int8: dequantized to float32; bfloat16: widened to float32, exact)."""
         layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
         with self._lock:
             s = self._sequence(seq)
@@ -361,7 +352,7 @@ class KVCache:
                              f"got {sorted(keep - saved_ids)} not in it")
         cfg = state.config
         cache = cls(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                    head_dim_v=cfg.head_dim_v, page_size=cfg.page_size, num_pages=cfg.num_pages, dtype=cfg.dtype,
+                    head_dim_v=cfg.head_dim_v, page_size=cfg.page_size, num_pages=cfg.num_pages, dtype=cfg.storage,
                     prefix_caching=state.prefix_caching, namespace=state.namespace)
         snapshot_state.restore(cache._core, state)
         for seq in sorted(saved_ids - keep):
@@ -373,7 +364,7 @@ class KVCache:
         """AssertionError unless the allocator's invariants hold for the page tables and every sequence's
         table matches its length."""
         with self._lock:
-            audit.check_invariants(self._core)
+            integrity.check_invariants(self._core)
 
     def fingerprint(self, *, include_free_pages: bool = True) -> str:
         """sha256 over the pool bytes (int8: the scales too) and all metadata (free list order, ref counts, tables, lengths, token ids,
@@ -381,4 +372,4 @@ class KVCache:
         of the slots in use (positions below a holder's length; cached pages whole), what a snapshot keeps and
         the next operations can read (a new page's unwritten slots hold whatever was there before)."""
         with self._lock:
-            return audit.fingerprint(self._core, include_free_pages)
+            return integrity.fingerprint(self._core, include_free_pages)

@@ -12,7 +12,7 @@ workers: all rows land or none (two phases: every worker prepares its rows, then
 """
 from kvcache.checks import check_int
 
-from .layout import SequenceLayout
+from .placement import SequenceLayout
 from .sharded import DEFAULT_TIMEOUT_S, Family, ShardedDecoder, ShardedTransaction, WorkerControls
 from .validate import Validator
 

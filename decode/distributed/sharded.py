@@ -19,7 +19,7 @@ from kvcache import CacheFullError
 from kvcache.checks import check_int
 
 from .cluster import Cluster, raise_first
-from .layout import ContextLayout, HeadsLayout
+from .placement import ContextLayout, HeadsLayout
 from .validate import Validator
 
 DEFAULT_TIMEOUT_S = 60.0

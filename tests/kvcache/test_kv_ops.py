@@ -291,7 +291,7 @@ def test_transaction_reserves_then_publishes(rng):
         assert cache.num_free_pages == 8 - 2 - 3             # a: 3+2 -> 2 pages; b: 6+3 -> 3 pages
         assert len(tx.pages(a)) == 2 and len(tx.pages(b)) == 3
         assert cache.length(a) == 3 and cache.length(b) == 6  # not published yet
-        assert tx.start == {a: 3, b: 6}
+        assert tx.positions.tolist() == [3, 6] and tx.seqs == [a, b]
         for layer in range(2):
             tx.write(layer, a, ka[layer], va[layer])
             tx.write(layer, b, kb[layer], vb[layer])

@@ -150,7 +150,7 @@ def test_token_write_after_rollback_cannot_touch_a_reused_page():
     a, b = cache.create_sequence(), cache.create_sequence()
     cache.append(a, *(rng.standard_normal((4, 2, 3)) for _ in range(2)))
     tw = cache.begin_token(a)                           # position 4: a fresh page
-    page = tw.page
+    page = int(tw.slot_pages[0])
     tw.rollback()
     cache.append(b, *(rng.standard_normal((1, 2, 3)) for _ in range(2)))
     assert cache.page_table(b).tolist() == [page]
