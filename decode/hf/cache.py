@@ -112,6 +112,9 @@ class PagedCache(Cache):
         pending = name is None and model_dtype is None          # known at the first forward (the model's K/V)
         if name is None:
             name = storage.for_model(model_dtype) if model_dtype is not None else "float32"
+        if name == "bfloat16" and not storage.kernels_take_storage():
+            raise ValueError("dtype: expected a storage the attention kernels read (float16, float32, float64, int8), "
+                             "got 'bfloat16' (kvcache stores it; this build's kernels have no bfloat16 loader yet)")
         pool = KVCache(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                        dtype=name, page_size=page_size, num_pages=num_pages, max_tokens=max_tokens,
                        prefix_caching=prefix_caching, namespace=namespace)
@@ -267,11 +270,11 @@ class PagedCache(Cache):
         if not self._dtype_pending:
             return
         name = storage.for_model(model_dtype)
-        if name == self.pool.config.dtype.name:
+        if name == self.pool.config.storage:
             return
         if self.pool.sequences or self.pool.num_cached_pages:
             raise ValueError(f"dtype: expected an explicit dtype for a cache used before its first forward "
-                             f"(match_prefix), got None; the pool holds {self.pool.config.dtype.name} pages and the "
+                             f"(match_prefix), got None; the pool holds {self.pool.config.storage} pages and the "
                              f"model computes in {model_dtype}: build PagedCache(..., dtype={model_dtype})")
         cfg = self.pool.config
         self.pool = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,

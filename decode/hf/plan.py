@@ -18,10 +18,20 @@ import torch
 
 from decode.attention import paged_decode_attention
 
+from .storage import kernels_take_storage
+
 # forwards with at least this many real queries (prefills) run the kernel on numba's threads: long enough that
 # torch's spinning OpenMP threads have gone idle (measured: a 4096-token prefill on 2 cores 16.2 s single-threaded
 # vs 11.8 s for sdpa; decode-sized calls are 5-20x slower on 2 threads, see docs/transformers.md)
 PARALLEL_QUERIES = 256
+
+
+_TAKES_STORAGE = kernels_take_storage()
+
+
+def _storage_kwargs(cfg) -> dict:
+    """``storage=`` for kernels that take it (bfloat16 pages are uint16 bits only the storage name tells apart)."""
+    return {"storage": cfg.storage} if _TAKES_STORAGE else {}
 
 
 class ForwardPlan:
@@ -85,8 +95,8 @@ class ForwardPlan:
     def run_layer(self, layer: int, query, key, value, scale, window: int) -> torch.Tensor:
         """Write ``layer``'s new K/V of every row, attend every real query over its row's pages (one kernel
         call) and return ``[B, T, num_q_heads, head_dim_v]`` in ``query``'s dtype (zeros for pad queries)."""
-        storage = self.pool.config.dtype
-        compute = torch.float64 if storage == np.float64 else torch.float32
+        cfg = self.pool.config
+        compute = torch.float64 if cfg.dtype == np.float64 else torch.float32
         kv_dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
         k, v = self._rows(key, kv_dtype, self.kv_index), self._rows(value, kv_dtype, self.kv_index)  # [N, Hkv, D]
         for seq, start, stop in self.row_slices:
@@ -100,7 +110,7 @@ class ForwardPlan:
             out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
                                          self.page_indptr, self.query_seq, self.query_pos, scale=scale,
                                          window=window, k_scales=self.pool.k_scales(layer),
-                                         v_scales=self.pool.v_scales(layer))              # [Q, Hq, Dv]
+                                         v_scales=self.pool.v_scales(layer), **_storage_kwargs(cfg))  # [Q, Hq, Dv]
         finally:
             numba.set_num_threads(threads)
         result = torch.from_numpy(out).to(query.dtype)

@@ -5,22 +5,31 @@ dtype), else the model's dtype (a bfloat16 model gets bfloat16 pages, a float16 
     for_model(torch_dtype) -> the default storage name for a model computing in ``torch_dtype``
     config_dtype(config) -> the torch dtype a config records (from_pretrained / from_config(dtype=...)), or None
 """
+import inspect
+
 import numpy as np
 import torch
 
+from decode.attention import paged_decode_attention
 from kvcache.checks import check_storage_dtype
 
 _TORCH = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 _NAMES = ("float16", "bfloat16", "float32", "float64", "int8")
 
 
+def kernels_take_storage() -> bool:
+    """Whether this build's attention kernels take ``storage=`` (and so read bfloat16 pages)."""
+    return "storage" in inspect.signature(paged_decode_attention).parameters
+
+
 def bfloat16_pages() -> bool:
-    """Whether `kvcache` stores bfloat16 pages (else a bfloat16 model's default storage is float32)."""
+    """Whether bfloat16 pages can be stored (`kvcache.bf16`) and read by the attention kernels (else a bfloat16
+    model's default storage is float32)."""
     try:
         check_storage_dtype("dtype", "bfloat16")
     except (TypeError, ValueError):
         return False
-    return True
+    return kernels_take_storage()
 
 
 def storage_name(dtype) -> str | None:
