@@ -399,3 +399,22 @@ def test_a_bfloat16_model_stores_float32_by_default():
     out = eng.generate([prompt], GREEDY)[0]
     assert len(out.output_token_ids) == 12 and reference_model is not model
     check_idle(eng)
+
+
+def test_what_the_engine_cannot_compute_is_refused_by_name():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from decode.hf import UnsupportedFeatureError
+
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=7, max_position_embeddings=256)
+    with pytest.raises(UnsupportedFeatureError, match="sliding-window"):
+        Engine(AutoModelForCausalLM.from_config(cfg), max_tokens=256)
+    eng = engine()                                  # its model's attention is "kvengine" now: only inside a step
+    with pytest.raises(TypeError, match="Engine.step"), torch.no_grad():
+        eng.model(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="kv_cache_memory: expected bytes like"):
+        Engine(models()[1], kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected"):
+        Engine(models()[1], max_tokens=256, kv_cache_dtype="bfloat16")
+    check_idle(eng)
