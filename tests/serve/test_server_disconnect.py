@@ -1,11 +1,12 @@
 """A client that goes away mid-request gets its request aborted and its pages back (streamed and not)."""
 import json
+import queue
 import socket
 import time
 
 import httpx2
 
-from .harness import completion_body, engine_stats, wait_idle
+from .harness import completion_body, engine_call, engine_stats, wait_idle
 
 
 def _holding(server) -> bool:
@@ -47,3 +48,20 @@ def test_non_stream_disconnect_aborts_and_frees_the_pages(start_server):
     assert stats["pages_in_use"] == stats["prefix_cached_pages"] and stats["requests_running"] == 0
     assert server.loop.stats()["loop_aborted"] == 1
     assert stats["generation_tokens_total"] < 400
+
+
+def test_an_abort_frees_the_pages_before_the_next_step(start_server):
+    from decode.serve import SamplingParams
+
+    server = start_server()
+    outputs = queue.Queue()
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    assert server.loop.submit(list(range(3, 60)), params, "long-one", outputs.put).result(30) == "long-one"
+    assert outputs.get(timeout=60).new_token_ids            # it runs and holds pages
+    assert _holding(server)
+    assert server.loop.abort("long-one").result(30) is True
+    steps_at_abort = server.loop.stats()["loop_steps"]
+    stats, steps = engine_call(server, lambda engine: (dict(engine.stats()), server.loop.counts["steps"]))
+    assert steps == steps_at_abort                           # no step ran in between
+    assert stats["pages_in_use"] == stats["prefix_cached_pages"] and stats["requests_running"] == 0
+    assert server.loop.abort("long-one").result(30) is False  # already gone

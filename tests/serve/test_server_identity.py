@@ -1,7 +1,8 @@
 """Token identity through the server: greedy outputs of 32 concurrent requests of mixed lengths equal each
 request generated alone by the model with DynamicCache + "sdpa" (float64 model, so batching cannot flip a
-near-tie); and the same under pool pressure (a budget for ~4 requests, 32 submitted: all complete, identical,
-with preemptions > 0 in /metrics)."""
+near-tie); the same under pool pressure (a budget for ~4 requests, 32 submitted: all complete, identical,
+with preemptions > 0 in /metrics); a float32 model: identical up to the reference's first top-2 logit margin
+<= 1e-4 (the count of requests with such a near-tie is printed)."""
 import asyncio
 import json
 import random
@@ -16,10 +17,13 @@ from .harness import completion_body, engine_stats, metric
 REQUESTS = 32
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    """``greedy(prompt, n)``: the checkpoint alone (sdpa, DynamicCache, float64), one request at a time."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float64,
+NEAR_TIE = 1e-4                 # float32: a top-2 logit margin at or below this may flip under batching
+
+
+def greedy_alone(model_dir, dtype):
+    """``greedy(prompt, n) -> (tokens, margins)``: the checkpoint alone (sdpa, DynamicCache), one request at a
+    time, with the top-1 minus top-2 logit of every step."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=dtype,
                                                  local_files_only=True).eval()
     memo = {}
 
@@ -27,14 +31,23 @@ def reference(model_dir):
     def greedy(prompt, n):
         key = (tuple(prompt), n)
         if key not in memo:
-            cache, ids, out = DynamicCache(config=model.config), torch.tensor([prompt]), []
+            cache, ids, out, margins = DynamicCache(config=model.config), torch.tensor([prompt]), [], []
             for _ in range(n):
                 logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+                top = torch.topk(logits, 2).values
                 out.append(int(logits.argmax()))
+                margins.append(float(top[0] - top[1]))
                 ids = torch.tensor([[out[-1]]])
-            memo[key] = out
+            memo[key] = out, margins
         return memo[key]
     return greedy
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """``greedy(prompt, n)``: the float64 checkpoint alone."""
+    greedy = greedy_alone(model_dir, torch.float64)
+    return lambda prompt, n: greedy(prompt, n)[0]
 
 
 def workload(seed: int, prompt_range, new_range, shared_prefix: int = 0, count: int = REQUESTS):
@@ -84,3 +97,31 @@ def test_pool_pressure_all_complete_identically_with_preemptions(start_server, r
     assert preemptions > 0, "the budget was meant to force preemptions"
     assert metric(server, "kvengine_requests_total{finish_reason=\"length\"}") == REQUESTS
     print(f"pool pressure: {REQUESTS} requests in 20 pages, {preemptions:.0f} preemptions")
+
+
+def test_float32_identical_wherever_the_reference_has_no_near_tie(tmp_path):
+    from decode.app.make_model import ModelSpec, make_model
+
+    from .harness import check_pool_idle, start
+
+    model_dir = make_model(tmp_path / "tiny-f32", ModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, vocab=400,
+                                                             max_position=512, dtype="float32", seed=7))
+    greedy = greedy_alone(model_dir, torch.float32)
+    server = start(model_dir)
+    try:
+        items = workload(3, (1, 120), (1, 24))
+        got = asyncio.run(post_all(server.url, items, stream=True))
+        check_pool_idle(server)
+    finally:
+        server.stop()
+    near_ties = compared = 0
+    for (prompt, n), tokens in zip(items, got):
+        expected, margins = greedy(prompt, n)
+        tie = next((i for i, m in enumerate(margins) if m <= NEAR_TIE), None)
+        upto = n if tie is None else tie          # every token before the first near-tie must be identical
+        assert tokens[:upto] == expected[:upto], (prompt, tokens, expected, margins)
+        assert len(tokens) == n
+        near_ties += tie is not None
+        compared += upto
+    print(f"float32: {len(items)} requests, {compared} tokens compared, {near_ties} requests with a near-tie "
+          f"(top-2 margin <= {NEAR_TIE:g})")

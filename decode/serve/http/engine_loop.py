@@ -44,7 +44,7 @@ class EngineLoop:
         self._stop_deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name="kvengine-engine-loop", daemon=True)
         self.error: BaseException | None = None
-        self.counts = {"added": 0, "rejected": 0, "finished": 0, "aborted": 0}
+        self.counts = {"added": 0, "rejected": 0, "finished": 0, "aborted": 0, "steps": 0}
         self.latest_stats: dict = dict(engine.stats())
 
     # ---- called from any thread ----------------------------------------------------------------------------
@@ -174,6 +174,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         outputs = self.engine.step()
+        self.counts["steps"] += 1
         now = time.monotonic()
         for out in outputs:
             tracked = self._requests.get(out.request_id)
