@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
-EXTRAS = "test,plot,demo,compare,hf,distributed"
+EXTRAS = "test,plot,demo,compare,hf,distributed,serve"
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
 
 

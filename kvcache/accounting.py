@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 
-from .cache import KVCache
+from .cache import KVCache, core_of
 from .checks import check_int
 
 __all__ = ["GIB", "MIB", "kv_bytes_formula", "kv_scale_bytes_formula", "cache_memory", "attention_kind"]
@@ -85,10 +85,10 @@ def cache_memory(cache: KVCache) -> dict:
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a KVCache, got {type(cache).__name__}")
-    cfg = cache.config
-    with cache._lock:                                       # one consistent snapshot
-        alloc = cache.allocator
-        sequences = dict(cache._sequences)
+    cfg, core = cache.config, core_of(cache)
+    with core.lock:                                         # one consistent snapshot
+        alloc = core.allocator
+        sequences = dict(core.sequences)
         page_fill: dict[int, int] = {}                      # page -> slots holding a token, over all holders
         logical_tokens = 0
         page_tables = 0
@@ -101,9 +101,8 @@ def cache_memory(cache: KVCache) -> dict:
             page_tables += sys.getsizeof(s) + s.table.nbytes + sys.getsizeof(s.held)
         pages_free = alloc.num_free_pages
         pages_cached = alloc.num_parked
-        ref_counts = sys.getsizeof(alloc._refs)
-        free_list = sys.getsizeof(alloc._free)
-        registry = sys.getsizeof(cache._sequences)
+        ref_counts, free_list = alloc.metadata_nbytes()
+        registry = sys.getsizeof(core.sequences)
     pages_used = cfg.num_pages - pages_free - pages_cached
     distinct_tokens = sum(page_fill.values())
     formula = distinct_tokens * cfg.bytes_per_token

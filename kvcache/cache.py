@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import integrity, lifecycle, snapshot, snapshot_state
+from .allocator import AllocatorView
 from .appender import Appender
 from .checks import check_int
 from .config import CacheConfig
@@ -80,10 +81,8 @@ class KVCache:
         salt = os.urandom(16) if prefix_salt is None else prefix_salt
         self._core = core = CacheCore(cfg, PrefixIndex(salt, repr(cfg)) if prefix_caching else None, namespace, salt)
         self._pool = core.pool                     # the page arrays (values, int8 scales) and their byte operations
-        self._k, self._v = core.pool.k, core.pool.v
-        self.allocator = core.allocator
-        self._sequences = core.sequences           # {id: Sequence} (the tests' and `kvcache.accounting`'s view)
         self._lock = core.lock
+        self.allocator = AllocatorView(core.allocator)   # read-only: ref counts, free pages (tests, the scheduler)
         self._appender = Appender(core)
 
     @property
@@ -107,16 +106,16 @@ class KVCache:
     @fault_hook.setter
     def fault_hook(self, hook) -> None:
         self._core.fault_hook = hook
-        self.allocator.fault_hook = hook
+        self._core.allocator.fault_hook = hook
 
     # -- read-only views ----------------------------------------------------------------------------------
     def k_pages(self, layer: int = 0) -> np.ndarray:
         """``[num_pages, num_kv_heads, page_size, head_dim]`` K pages of ``layer`` (a view; do not write)."""
-        return self._k[check_int("layer", layer, maximum=self.config.num_layers - 1)]
+        return self._pool.k[check_int("layer", layer, maximum=self.config.num_layers - 1)]
 
     def v_pages(self, layer: int = 0) -> np.ndarray:
         """``[num_pages, num_kv_heads, page_size, head_dim_v]`` V pages of ``layer`` (a view; do not write)."""
-        return self._v[check_int("layer", layer, maximum=self.config.num_layers - 1)]
+        return self._pool.v[check_int("layer", layer, maximum=self.config.num_layers - 1)]
 
     def k_scales(self, layer: int = 0) -> np.ndarray | None:
         """int8 storage: ``float16 [num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]`` K scales of
@@ -154,7 +153,7 @@ class KVCache:
 
     @property
     def sequences(self) -> tuple[int, ...]:
-        return tuple(self._sequences)
+        return tuple(self._core.sequences)
 
     def length(self, seq: int) -> int:
         return self._sequence(seq).length
@@ -320,7 +319,7 @@ class KVCache:
         """Write the whole cache to ``path`` (safetensors, atomically; `kvcache.snapshot`): only the pages in
         use. Refused (RuntimeError) while a transaction is open. Returns the file size in bytes."""
         with self._lock:
-            busy = [seq for seq, s in self._sequences.items() if s.busy]
+            busy = [seq for seq, s in self._core.sequences.items() if s.busy]
             if busy:
                 raise RuntimeError(f"save: expected no open transaction, got sequences {busy} in transactions")
             state = snapshot_state.capture(self._core)
@@ -364,3 +363,9 @@ class KVCache:
         the next operations can read (a new page's unwritten slots hold whatever was there before)."""
         with self._lock:
             return integrity.fingerprint(self._core, include_free_pages)
+
+
+def core_of(cache: KVCache) -> CacheCore:
+    """The state behind ``cache`` (`kvcache.core.CacheCore`: sequences, allocator, lock, pool), for the package's
+    own modules that read it whole (`kvcache.accounting`) and for `kvcache.testing`; not the user API."""
+    return cache._core

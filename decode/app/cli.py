@@ -1,4 +1,4 @@
-"""The console command ``kvengine``: audit, memory, demo, generate, bench.
+"""The console command ``kvengine``: audit, memory, demo, generate, bench, serve, make-model.
 
     kvengine audit  --out DIR     reproduce the source document's figures (reference lab) and run the engine
                                   on its 3-token example; last line ATTENTION_AUDIT_OK when all checks pass
@@ -7,6 +7,8 @@
     kvengine generate [--arch A]  a tiny random transformers model generating with DynamicCache + sdpa and with
                                   PagedCache + pagedkv: tokens/s, token agreement, logit difference (hf extra)
     kvengine bench [--quick]      the pytest-benchmark suite
+    kvengine serve [--model DIR]  OpenAI-compatible HTTP server (serve + hf extras; see `serve_cli`)
+    kvengine make-model DIR       write a small random-weight checkpoint with a trained tokenizer (hf extra)
 """
 import argparse
 import json
@@ -158,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small shapes only")
     p.add_argument("--json", default=None, help="save pytest-benchmark JSON here")
     p.set_defaults(func=cmd_bench)
+
+    from . import serve_cli
+    serve_cli.add_parsers(sub)
     return parser
 
 

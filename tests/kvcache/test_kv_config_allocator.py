@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import kvcache
-from kvcache import CacheConfig, CacheFullError, FaultInjector, InjectedFault, PageAllocator
+from kvcache import CacheConfig, CacheFullError
+from kvcache.testing import FaultInjector, InjectedFault, PageAllocator, set_free_list
 
 
 # -- CacheConfig ---------------------------------------------------------------------------------------------
@@ -207,11 +208,10 @@ def test_allocator_check_invariants_detects_corruption():
         alloc.check_invariants([[0, 1], [0, 1]])
     with pytest.raises(AssertionError, match=r"pages both free and mapped: \[2\]"):
         alloc.check_invariants([[0, 1], [0], [2]])
-    alloc._free.append(alloc._free[-1])
+    set_free_list(alloc, alloc.free_list() + alloc.free_list()[-1:])
     with pytest.raises(AssertionError, match="duplicates in the free list"):
         alloc.check_invariants([[0, 1], [0]])
-    alloc._free.pop()
-    alloc._free.pop()                                 # a page neither free nor referenced: leaked
+    set_free_list(alloc, alloc.free_list()[:-2])     # the duplicate gone, and a page neither free nor referenced: leaked
     with pytest.raises(AssertionError, match=r"free 1 \+ parked 0 \+ in use 2 != total 4"):
         alloc.check_invariants([[0, 1], [0]])
     alloc = PageAllocator(2)

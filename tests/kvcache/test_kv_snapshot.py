@@ -11,8 +11,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import kvcache
-from kvcache import FaultInjector, InjectedFault
-from kvcache import (SnapshotChecksumError, SnapshotConfigError, SnapshotCorruptError, SnapshotFormatError,
+from kvcache.testing import FaultInjector, InjectedFault
+from kvcache.errors import (SnapshotChecksumError, SnapshotConfigError, SnapshotCorruptError, SnapshotFormatError,
                      SnapshotInconsistentError, SnapshotRangeError, SnapshotTruncatedError, SnapshotVersionError)
 from kv_helpers import random_kv
 

@@ -17,7 +17,8 @@ import decode.layer_plan as layer_plan_module
 from decode.attention import DecodePlan
 from decode.multiquery import RunsPlan
 from decode import Decoder, batch_extend, batch_step, batch_transaction
-from kvcache import CacheFullError, FaultInjector, InjectedFault, KVCache
+from kvcache import CacheFullError, KVCache
+from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
 
 pytestmark = pytest.mark.kernel

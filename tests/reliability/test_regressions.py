@@ -262,7 +262,7 @@ def test_window_release_failure_does_not_fail_the_committed_step():
     so the caller saw a failed step although its token was in the cache (a retry would append it twice).
     Now the release is best effort after the commit: the step returns its output and the next step gives the
     pages back."""
-    from kvcache import FaultInjector, InjectedFault
+    from kvcache.testing import FaultInjector, InjectedFault
     from kvcache.faults import no_fault
 
     def build():

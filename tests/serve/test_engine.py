@@ -14,6 +14,16 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0)
 _MODELS, _REFERENCE = {}, {}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models: torch's intra-op threads only add barrier waits (5-50x slower matmuls on the shared 2-core
+    machine, measured); restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def models(dtype=torch.float64):
     """(reference, served) tiny Llama of ``dtype``, built once per module."""
     if dtype not in _MODELS:
