@@ -415,6 +415,8 @@ def test_what_the_engine_cannot_compute_is_refused_by_name():
         eng.model(torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match="kv_cache_memory: expected bytes like"):
         Engine(models()[1], kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="max_num_batched_tokens: expected >= max_num_seqs"):
+        Engine(models()[1], max_tokens=256, max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="kv_cache_dtype: expected"):
         Engine(models()[1], max_tokens=256, kv_cache_dtype="bfloat16")
     check_idle(eng)
