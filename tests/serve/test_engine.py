@@ -121,11 +121,13 @@ def test_greedy_float32_identical_except_at_near_ties():
     assert compared > 200
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_pool_pressure_all_complete_with_the_same_tokens(prefix_caching):
+@pytest.mark.parametrize("prefix_caching, budget, max_num_seqs", [(True, 128, 64), (False, 128, 64), (True, 20, 16)])
+def test_pool_pressure_all_complete_with_the_same_tokens(prefix_caching, budget, max_num_seqs):
     prompts = random_prompts(32, 20, 41, VOCAB, seed=9)
-    # each request holds at most 40 + 16 tokens = 7 pages of 8: a pool of 28 pages holds ~4 of them
-    eng = engine(max_tokens=28 * 8, enable_prefix_caching=prefix_caching, max_num_batched_tokens=128)
+    # each request holds at most 40 + 16 tokens = 7 pages of 8: a pool of 28 pages holds ~4 of them; a budget
+    # of 20 tokens chunks every prefill, so requests are also preempted in the middle of their prompts
+    eng = engine(max_tokens=28 * 8, enable_prefix_caching=prefix_caching, max_num_batched_tokens=budget,
+                 max_num_seqs=max_num_seqs)
     params = SamplingParams(max_tokens=16, temperature=0)
     ids = [eng.add_request(p, params) for p in prompts]
     peak = 0
@@ -138,7 +140,7 @@ def test_pool_pressure_all_complete_with_the_same_tokens(prefix_caching):
         peak = max(peak, eng.stats()["pages_in_use"] - eng.stats()["prefix_cached_pages"])
     check_idle(eng)
     stats = eng.stats()
-    print(f"prefix_caching={prefix_caching}: {stats['preemptions_total']} preemptions, "
+    print(f"prefix_caching={prefix_caching} budget={budget}: {stats['preemptions_total']} preemptions, "
           f"{stats['recomputed_tokens_total']} tokens recomputed, {stats['prompt_tokens_total']} prompt + "
           f"{stats['generation_tokens_total']} generated tokens")
     assert stats["preemptions_total"] > 0 and stats["recomputed_tokens_total"] > 0
@@ -420,3 +422,38 @@ def test_what_the_engine_cannot_compute_is_refused_by_name():
     with pytest.raises(ValueError, match="kv_cache_dtype: expected"):
         Engine(models()[1], max_tokens=256, kv_cache_dtype="bfloat16")
     check_idle(eng)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_arrivals_aborts_and_pressure_keep_the_pool_exact(seed):
+    """Requests arrive between steps, some are aborted at random moments, the pool is small: after every step
+    the invariants hold, and every request that was not aborted ends with the reference's tokens."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = random_prompts(20, 1, 50, VOCAB, seed=100 + seed)
+    lengths = [rng.randint(1, 12) for _ in prompts]
+    eng = engine(max_tokens=24 * 8, max_num_batched_tokens=rng.choice([8, 24, 64]), max_num_seqs=8)
+    pending, live, aborted, final = list(zip(prompts, lengths)), {}, set(), {}
+    while pending or eng.has_unfinished_requests():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                prompt, n = pending.pop()
+                live[eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0))] = (prompt, n)
+        if live and rng.random() < 0.1:
+            rid = rng.choice(sorted(live))
+            if eng.abort(rid):
+                aborted.add(rid)
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+                live.pop(out.request_id, None)
+        eng.check_invariants()
+    check_idle(eng)
+    assert len(final) == len(prompts)                           # none lost: every request ended
+    for rid, out in final.items():
+        if rid in aborted:
+            assert out.finish_reason == "abort"
+        else:
+            prompt, n = out.prompt_token_ids, len(out.output_token_ids)
+            assert out.output_token_ids == reference(torch.float64, prompt, n)[0] and out.finish_reason == "length"
