@@ -84,7 +84,7 @@ def mixed_workload(count=32, seed=0):
 
 def test_greedy_32_concurrent_requests_equal_generate_alone_float64():
     prompts, lengths = mixed_workload()
-    eng = engine(max_num_batched_tokens=64)
+    eng = engine(max_num_batched_tokens=64, max_num_seqs=32)
     batches = record_batches(eng)
     ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(prompts, lengths)]
     final = drain(eng)
@@ -100,7 +100,7 @@ def test_greedy_32_concurrent_requests_equal_generate_alone_float64():
 
 def test_greedy_float32_identical_except_at_near_ties():
     prompts, lengths = mixed_workload(seed=5)
-    eng = engine(torch.float32, max_num_batched_tokens=96)
+    eng = engine(torch.float32, max_num_batched_tokens=96, max_num_seqs=32)
     ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(prompts, lengths)]
     final = drain(eng)
     near_ties = compared = reference_ties = 0
@@ -217,7 +217,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     alone = engine()
     rid = alone.add_request(prompt, params)
     solo = drain(alone)[rid].output_token_ids
-    crowd = engine(max_num_batched_tokens=32)
+    crowd = engine(max_num_batched_tokens=32, max_num_seqs=16)
     others = random_prompts(6, 5, 50, VOCAB, seed=32)
     for i, p in enumerate(others[:3]):
         crowd.add_request(p, SamplingParams(max_tokens=10, temperature=1.0, seed=i))
@@ -346,7 +346,7 @@ def test_engine_from_a_checkpoint_directory(tmp_path):
 
 def test_a_forward_that_fails_changes_nothing_and_the_engine_goes_on():
     prompts = random_prompts(4, 5, 40, VOCAB, seed=91)
-    eng = engine(max_num_batched_tokens=32)
+    eng = engine(max_num_batched_tokens=32, max_num_seqs=8)
     ids = [eng.add_request(p, GREEDY) for p in prompts]
     while eng.stats()["requests_waiting"] or any(r.num_to_compute > 1 for r in eng.scheduler.running):
         eng.step()                                              # until every request decodes: the next step
@@ -382,7 +382,7 @@ def test_sampling_down_to_one_candidate_is_greedy(params):
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8", "float32"])
 def test_other_storage_dtypes_run_to_completion(kv_cache_dtype):
     prompts, lengths = mixed_workload(count=8, seed=93)
-    eng = engine(kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=48)
+    eng = engine(kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=48, max_num_seqs=16)
     assert eng.kv_cache_dtype == kv_cache_dtype and eng.model_dtype == "float64"
     ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(prompts, lengths)]
     final = drain(eng)
