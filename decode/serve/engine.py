@@ -182,7 +182,11 @@ class Engine:
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling iteration (one packed forward): the outputs of every request that got a token or
-        finished (aborted ones included), plus any made while `generate` / `stream` ran steps."""
+        finished (aborted ones included), plus any made while `generate` / `stream` ran steps.
+
+        If the forward raises, its K/V writes are rolled back and every request keeps the tokens it had (the
+        pool is byte-identical but for the step's admissions and preemptions, which stand); the next step
+        retries."""
         outputs, self._undelivered = self._undelivered, []
         batch = self.scheduler.schedule()
         if not len(batch):
@@ -257,11 +261,14 @@ class Engine:
 
     # -- state ------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
+        """Pool and request counters (see docs/serving.md); ``recomputed_tokens_total``: tokens preempted
+        requests had to compute again on re-admission (those not found in the prefix cache)."""
         s = self.scheduler
         return {**self.pool.stats(), "requests_running": len(s.running), "requests_waiting": len(s.waiting),
                 "preemptions_total": s.preemptions_total,
                 "prefix_cache_hit_tokens_total": s.prefix_cache_hit_tokens_total,
-                "prompt_tokens_total": s.prompt_tokens_total, "generation_tokens_total": self.generation_tokens_total}
+                "prompt_tokens_total": s.prompt_tokens_total, "generation_tokens_total": self.generation_tokens_total,
+                "recomputed_tokens_total": s.recomputed_tokens_total}
 
     def check_invariants(self) -> None:
         """AssertionError unless the pool's invariants hold, its sequences are exactly the running requests',
