@@ -11,7 +11,8 @@ import pytest
 
 from decode import Decoder, batch_extend, batch_step
 from decode.inputs import check_readable
-from kvcache import CacheFullError, FaultInjector, InjectedFault, KVCache, bf16
+from kvcache import CacheFullError, KVCache, bf16
+from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
 
 BF16_READABLE = True
