@@ -37,6 +37,7 @@ from .appender import Appender
 from .checks import check_int
 from .config import CacheConfig
 from .core import CacheCore
+from .group import OpGroup
 from .prefix import PrefixIndex, check_namespace, check_token_ids
 from .sequence import Sequence
 from .transaction import TokenBatch, TokenWrite, Transaction
@@ -175,7 +176,15 @@ class KVCache:
             seq, core.next_id = core.next_id, core.next_id + 1
             core.sequences[seq] = s = Sequence()
             s.namespace = namespace
+            core.keep_for_group(None, lambda: core.forget_created(seq))
             return seq
+
+    def group(self, *, span_calls: bool = False) -> OpGroup:
+        """Sequence operations undone together (`kvcache.group.OpGroup`): ``with cache.group(): ...`` rolls
+        back every create_sequence / fork / free / truncate / release_before / match_prefix of the block if it
+        raises, sequence-id counter included. ``span_calls=True``: the group stays open across blocks until
+        ``close()`` or ``rollback()``."""
+        return OpGroup(self._core, span_calls)
 
     def token_ids(self, seq: int) -> np.ndarray:
         """``int32 [num_known]``: the token ids known for positions ``0 ..`` of ``seq`` (a copy)."""
