@@ -11,8 +11,9 @@ import pytest
 
 from decode import Decoder, batch_extend, batch_step
 from decode.inputs import check_readable
-from kvcache import CacheFullError, FaultInjector, InjectedFault, KVCache, bf16
+from kvcache import CacheFullError, KVCache, bf16
 from kvcache.faults import no_fault
+from kvcache.testing import FaultInjector, InjectedFault
 
 BF16_READABLE = True
 try:

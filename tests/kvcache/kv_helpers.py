@@ -84,7 +84,7 @@ class DenseModel:
         cfg = self.cfg
         first = self.first[seq]
         k_rows, v_rows = self.k[seq][layer][first:], self.v[seq][layer][first:]
-        dtype = np.float32 if cfg.quantized else cfg.dtype
+        dtype = np.float32 if cfg.quantized or cfg.bfloat16 else cfg.dtype          # what gather gives back
         k = np.array(k_rows, dtype=dtype).reshape(len(k_rows), cfg.num_kv_heads, cfg.head_dim)
         v = np.array(v_rows, dtype=dtype).reshape(len(v_rows), cfg.num_kv_heads, cfg.head_dim_v)
         return k, v
