@@ -65,6 +65,9 @@ class Engine:
         _positive("block_size", block_size)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         _positive("max_num_seqs", max_num_seqs)
+        if max_num_batched_tokens < max_num_seqs:          # else the first running requests take every step's
+            raise ValueError(f"max_num_batched_tokens: expected >= max_num_seqs ({max_num_seqs}), so that every "
+                             f"running request decodes each step, got {max_num_batched_tokens}")   # budget (as vLLM)
         if kv_cache_memory is not None and max_tokens is not None:
             raise ValueError(f"kv_cache_memory/max_tokens: expected at most one of them, got kv_cache_memory="
                              f"{kv_cache_memory!r} and max_tokens={max_tokens!r}")
@@ -84,6 +87,7 @@ class Engine:
                              page_size=block_size, dtype=storage, prefix_caching=enable_prefix_caching,
                              scale=attention_scale(self.model, layout.head_dim), namespace=str(self.model_name))
         self.kv_cache_dtype = storage
+        self.pool_tokens = num_pages * block_size
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs)
         self.runner = ModelRunner(self.model, self.pool)
         self.sampler = Sampler(seed)
@@ -157,7 +161,8 @@ class Engine:
             raise RequestRejected("prompt_token_ids", "expected at least one token id, got an empty prompt")
         if len(prompt) >= self.max_model_len:
             raise RequestRejected("prompt_token_ids", f"expected at most {self.max_model_len - 1} tokens (max_model_len "
-                                                      f"{self.max_model_len} leaves room for one generated token), got "
+                                                      f"{self.max_model_len}, at most the pool's {self.pool_tokens} "
+                                                      f"tokens, leaves room for one generated token), got "
                                                       f"{len(prompt)}")
         for i, token in enumerate(prompt):
             if isinstance(token, bool) or not hasattr(token, "__index__") or not 0 <= token < self.vocab_size:

@@ -84,7 +84,7 @@ def mixed_workload(count=32, seed=0):
 
 def test_greedy_32_concurrent_requests_equal_generate_alone_float64():
     prompts, lengths = mixed_workload()
-    eng = engine(max_num_batched_tokens=64)
+    eng = engine(max_num_batched_tokens=64, max_num_seqs=32)
     batches = record_batches(eng)
     ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(prompts, lengths)]
     final = drain(eng)
@@ -100,7 +100,7 @@ def test_greedy_32_concurrent_requests_equal_generate_alone_float64():
 
 def test_greedy_float32_identical_except_at_near_ties():
     prompts, lengths = mixed_workload(seed=5)
-    eng = engine(torch.float32, max_num_batched_tokens=96)
+    eng = engine(torch.float32, max_num_batched_tokens=96, max_num_seqs=32)
     ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(prompts, lengths)]
     final = drain(eng)
     near_ties = compared = reference_ties = 0
@@ -121,11 +121,13 @@ def test_greedy_float32_identical_except_at_near_ties():
     assert compared > 200
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_pool_pressure_all_complete_with_the_same_tokens(prefix_caching):
+@pytest.mark.parametrize("prefix_caching, budget, max_num_seqs", [(True, 128, 64), (False, 128, 64), (True, 20, 16)])
+def test_pool_pressure_all_complete_with_the_same_tokens(prefix_caching, budget, max_num_seqs):
     prompts = random_prompts(32, 20, 41, VOCAB, seed=9)
-    # each request holds at most 40 + 16 tokens = 7 pages of 8: a pool of 28 pages holds ~4 of them
-    eng = engine(max_tokens=28 * 8, enable_prefix_caching=prefix_caching, max_num_batched_tokens=128)
+    # each request holds at most 40 + 16 tokens = 7 pages of 8: a pool of 28 pages holds ~4 of them; a budget
+    # of 20 tokens chunks every prefill, so requests are also preempted in the middle of their prompts
+    eng = engine(max_tokens=28 * 8, enable_prefix_caching=prefix_caching, max_num_batched_tokens=budget,
+                 max_num_seqs=max_num_seqs)
     params = SamplingParams(max_tokens=16, temperature=0)
     ids = [eng.add_request(p, params) for p in prompts]
     peak = 0
@@ -138,7 +140,7 @@ def test_pool_pressure_all_complete_with_the_same_tokens(prefix_caching):
         peak = max(peak, eng.stats()["pages_in_use"] - eng.stats()["prefix_cached_pages"])
     check_idle(eng)
     stats = eng.stats()
-    print(f"prefix_caching={prefix_caching}: {stats['preemptions_total']} preemptions, "
+    print(f"prefix_caching={prefix_caching} budget={budget}: {stats['preemptions_total']} preemptions, "
           f"{stats['recomputed_tokens_total']} tokens recomputed, {stats['prompt_tokens_total']} prompt + "
           f"{stats['generation_tokens_total']} generated tokens")
     assert stats["preemptions_total"] > 0 and stats["recomputed_tokens_total"] > 0
@@ -215,7 +217,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     alone = engine()
     rid = alone.add_request(prompt, params)
     solo = drain(alone)[rid].output_token_ids
-    crowd = engine(max_num_batched_tokens=32)
+    crowd = engine(max_num_batched_tokens=32, max_num_seqs=16)
     others = random_prompts(6, 5, 50, VOCAB, seed=32)
     for i, p in enumerate(others[:3]):
         crowd.add_request(p, SamplingParams(max_tokens=10, temperature=1.0, seed=i))
@@ -344,7 +346,7 @@ def test_engine_from_a_checkpoint_directory(tmp_path):
 
 def test_a_forward_that_fails_changes_nothing_and_the_engine_goes_on():
     prompts = random_prompts(4, 5, 40, VOCAB, seed=91)
-    eng = engine(max_num_batched_tokens=32)
+    eng = engine(max_num_batched_tokens=32, max_num_seqs=8)
     ids = [eng.add_request(p, GREEDY) for p in prompts]
     while eng.stats()["requests_waiting"] or any(r.num_to_compute > 1 for r in eng.scheduler.running):
         eng.step()                                              # until every request decodes: the next step
@@ -380,7 +382,7 @@ def test_sampling_down_to_one_candidate_is_greedy(params):
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8", "float32"])
 def test_other_storage_dtypes_run_to_completion(kv_cache_dtype):
     prompts, lengths = mixed_workload(count=8, seed=93)
-    eng = engine(kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=48)
+    eng = engine(kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=48, max_num_seqs=16)
     assert eng.kv_cache_dtype == kv_cache_dtype and eng.model_dtype == "float64"
     ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(prompts, lengths)]
     final = drain(eng)
@@ -415,6 +417,43 @@ def test_what_the_engine_cannot_compute_is_refused_by_name():
         eng.model(torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match="kv_cache_memory: expected bytes like"):
         Engine(models()[1], kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="max_num_batched_tokens: expected >= max_num_seqs"):
+        Engine(models()[1], max_tokens=256, max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="kv_cache_dtype: expected"):
         Engine(models()[1], max_tokens=256, kv_cache_dtype="bfloat16")
     check_idle(eng)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_arrivals_aborts_and_pressure_keep_the_pool_exact(seed):
+    """Requests arrive between steps, some are aborted at random moments, the pool is small: after every step
+    the invariants hold, and every request that was not aborted ends with the reference's tokens."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = random_prompts(20, 1, 50, VOCAB, seed=100 + seed)
+    lengths = [rng.randint(1, 12) for _ in prompts]
+    eng = engine(max_tokens=24 * 8, max_num_batched_tokens=rng.choice([8, 24, 64]), max_num_seqs=8)
+    pending, live, aborted, final = list(zip(prompts, lengths)), {}, set(), {}
+    while pending or eng.has_unfinished_requests():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                prompt, n = pending.pop()
+                live[eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0))] = (prompt, n)
+        if live and rng.random() < 0.1:
+            rid = rng.choice(sorted(live))
+            if eng.abort(rid):
+                aborted.add(rid)
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+                live.pop(out.request_id, None)
+        eng.check_invariants()
+    check_idle(eng)
+    assert len(final) == len(prompts)                           # none lost: every request ended
+    for rid, out in final.items():
+        if rid in aborted:
+            assert out.finish_reason == "abort"
+        else:
+            prompt, n = out.prompt_token_ids, len(out.output_token_ids)
+            assert out.output_token_ids == reference(torch.float64, prompt, n)[0] and out.finish_reason == "length"
