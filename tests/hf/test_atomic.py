@@ -11,7 +11,8 @@ import pytest
 from transformers import DynamicCache
 
 from decode.hf import PagedCache
-from kvcache import CacheFullError, FaultInjector, InjectedFault
+from kvcache import CacheFullError
+from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
 
 from .models import model_pair, prompts
