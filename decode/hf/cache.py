@@ -237,6 +237,7 @@ class PagedCache(Cache):
         if fresh:
             self._begin_fresh(key.dtype, new_real, ids)
         else:
+            self._follow_model_dtype(key.dtype, rebuild=False)
             self._plan = self._plan_forward(self._seqs, new_real, ids)
 
     def _begin_fresh(self, model_dtype, new_real, ids) -> None:
@@ -265,14 +266,15 @@ class PagedCache(Cache):
                                       columns=self._cols.columns, prompt_columns=self._prompt_columns,
                                       forward_columns=new_real.shape[1], pages_used=used) from None
 
-    def _follow_model_dtype(self, model_dtype) -> None:
-        """dtype=None and no dtype in the config: the pool (float32 until now) takes the model's dtype."""
+    def _follow_model_dtype(self, model_dtype, rebuild: bool = True) -> None:
+        """dtype=None and no dtype in the config: the pool (float32 until now) takes the model's dtype; refused
+        when the pool is in use already (rows made by match_prefix)."""
         if not self._dtype_pending:
             return
         name = storage.for_model(model_dtype)
         if name == self.pool.config.storage:
             return
-        if self.pool.sequences or self.pool.num_cached_pages:
+        if not rebuild or self.pool.sequences or self.pool.num_cached_pages:
             raise ValueError(f"dtype: expected an explicit dtype for a cache used before its first forward "
                              f"(match_prefix), got None; the pool holds {self.pool.config.storage} pages and the "
                              f"model computes in {model_dtype}: build PagedCache(..., dtype={model_dtype})")
@@ -371,9 +373,10 @@ class PagedCache(Cache):
     def _commit(self, plan: ForwardPlan) -> None:
         plan.commit()
         self._plan = None
+        self._dtype_pending = False
         if self._fresh is not None:
             self._fresh[0].close()
-            self._fresh, self._dtype_pending = None, False
+            self._fresh = None
         self._cols.extend(plan.new_real)
         self.stats["forwards"] += 1
         self.stats["tokens"] += plan.num_queries

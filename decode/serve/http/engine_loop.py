@@ -8,15 +8,21 @@ within one step. When the engine has nothing to do the thread blocks on the queu
 
 Stopping (`stop`): no new request is admitted; running ones are stepped to completion until ``grace_s`` has
 passed; whatever remains is aborted and its sink told so; the thread exits.
+
+Failure: if ``engine.step()`` raises, the loop logs it, hands every open request an `EngineFailed` (HTTP 500
+naming the error), stops admitting (`error` is set; /health answers 503) and exits: never a plausible answer
+from an engine in an unknown state.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
+LOG = logging.getLogger("kvengine.serve")
 ABORTED = "aborted"              # what a sink receives when the server aborts its request (shutdown)
 
 
@@ -102,12 +108,12 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self.latest_stats = dict(self.engine.stats())
-        except BaseException as exc:               # noqa: BLE001 - reported to every open request, then re-raised
+        except Exception as exc:                   # noqa: BLE001 - logged, reported to every open request
             self.error = exc
+            LOG.exception("the engine loop failed; every open request is failed and nothing more is admitted")
             for tracked in list(self._requests.values()):
                 self._deliver(tracked.sink, EngineFailed(f"engine loop failed: {exc!r}"))
             self._requests.clear()
-            raise
         finally:
             self._fail_queued()
 
