@@ -109,7 +109,9 @@ class PagedCache(Cache):
     Attributes
     ----------
     pool : kvcache.KVCache                   shared with every `fork` of this cache
-    stats : dict                             ``kernel_calls``, ``forwards``, ``tokens`` (real tokens stored)
+    stats : dict                             ``kernel_calls``, ``forwards``, ``tokens`` (real tokens stored),
+                                             ``deferred_releases`` (window releases that failed after a forward
+                                             landed; the pages go back at the next one)
     """
 
     def __init__(self, config, *, max_tokens=None, num_pages=None, dtype=None, page_size=16,
@@ -157,7 +159,7 @@ class PagedCache(Cache):
         self._dtype_pending = False
         self._prompt_columns = 0         # columns of the first forward (the prompt), for CacheFullError
         self._checked_model = None       # `check_model`'s key of the config last found right
-        self.stats = {"kernel_calls": 0, "forwards": 0, "tokens": 0}
+        self.stats = {"kernel_calls": 0, "forwards": 0, "tokens": 0, "deferred_releases": 0}
 
     # -- transformers' queries ----------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -404,7 +406,7 @@ class PagedCache(Cache):
             try:                # the forward has landed: a failure here keeps the pages (released next time)
                 self._release_window()
             except Exception:
-                pass
+                self.stats["deferred_releases"] += 1
 
     def _abandon(self) -> None:
         if self._plan is not None:
