@@ -457,3 +457,45 @@ def test_random_arrivals_aborts_and_pressure_keep_the_pool_exact(seed):
         else:
             prompt, n = out.prompt_token_ids, len(out.output_token_ids)
             assert out.output_token_ids == reference(torch.float64, prompt, n)[0] and out.finish_reason == "length"
+
+
+def _arch_configs():
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=512)
+    return {
+        "gpt2": GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common),     # learned positions
+        "qwen2": Qwen2Config(num_key_value_heads=2, **small, **common),                   # q/k/v biases
+        "mistral-no-window": MistralConfig(num_key_value_heads=2, sliding_window=None, **small, **common),
+        "llama-mqa-head-dim-12": LlamaConfig(num_key_value_heads=1, head_dim=12, **small, **common),
+    }
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "mistral-no-window", "llama-mqa-head-dim-12"])
+def test_other_architectures_equal_generate_alone(arch):
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(_arch_configs()[arch]), attn_implementation="sdpa")
+    ref = ref.to(torch.float64).eval()
+    eng = Engine(copy.deepcopy(ref), max_tokens=2048, block_size=8, max_num_batched_tokens=32, max_num_seqs=8)
+    prompts = random_prompts(6, 1, 60, VOCAB, seed=1)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+    for out, prompt in zip(outs, prompts):
+        assert out.output_token_ids == reference_greedy(ref, prompt, 8)[0]
+    check_idle(eng)
+
+
+def test_per_layer_attention_scales_are_refused():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from decode.hf import UnsupportedFeatureError
+
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, scale_attn_by_inverse_layer_idx=True,
+                     vocab_size=VOCAB)
+    with pytest.raises(UnsupportedFeatureError, match="per-layer attention scales"):
+        Engine(AutoModelForCausalLM.from_config(cfg), max_tokens=256)
