@@ -192,11 +192,11 @@ class Engine:
         If the forward raises, its K/V writes are rolled back and every request keeps the tokens it had (the
         pool is byte-identical but for the step's admissions and preemptions, which stand); the next step
         retries."""
-        outputs, self._undelivered = self._undelivered, []
         batch = self.scheduler.schedule()
-        if not len(batch):
+        logits = self.runner.forward(batch) if len(batch) else None       # (a failure keeps undelivered outputs)
+        outputs, self._undelivered = self._undelivered, []
+        if logits is None:
             return outputs
-        logits = self.runner.forward(batch)
         sampled = [r for r in batch.requests if r.num_to_compute == 0]
         tokens = self.sampler.sample(logits, sampled) if sampled else []
         now = time.monotonic()

@@ -359,6 +359,8 @@ def test_a_forward_that_fails_changes_nothing_and_the_engine_goes_on():
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure in layer 1's MLP")
     mlp.forward = broken
+    extra = eng.add_request(prompts[0], GREEDY)
+    assert eng.abort(extra)                                     # its "abort" output waits for the next step
     with pytest.raises(RuntimeError, match="injected"):
         eng.step()
     mlp.forward = forward
@@ -366,6 +368,7 @@ def test_a_forward_that_fails_changes_nothing_and_the_engine_goes_on():
     assert [r.num_computed for r in eng.scheduler.running] == computed
     eng.check_invariants()
     final = drain(eng)
+    assert final[extra].finish_reason == "abort"                 # not lost with the failed step
     for rid, p in zip(ids, prompts):
         assert final[rid].output_token_ids == reference(torch.float64, p, 12)[0]
 
