@@ -4,7 +4,7 @@ import pytest
 
 from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
-from kv_helpers import make_cache, random_kv
+from .kv_helpers import make_cache, random_kv
 
 
 def build():
