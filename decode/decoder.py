@@ -20,7 +20,7 @@ from kvcache.checks import check_int
 
 from . import window as _window
 from .inputs import InputChecks, check_single_layer, check_tokens, num_tokens_of
-from .layer_plan import LayerPools, attend_token
+from .attention_plan import LayerPools, attend_token
 from .transaction import DecoderTransaction
 
 
@@ -102,7 +102,7 @@ class Decoder:
         self.scale = float(scale)
         self.inputs = InputChecks(cache, num_q_heads, self.scale)    # the input checks (`decode.inputs`)
         self.q_dtype = self.inputs.q_dtype                       # working precision of q and the outputs
-        self.pools = LayerPools(cache)                           # per-layer page views (`decode.layer_plan`)
+        self.pools = LayerPools(cache)                           # per-layer page views (`decode.attention_plan`)
 
     # -- state --------------------------------------------------------------------------------------------
     @property

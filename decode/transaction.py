@@ -1,13 +1,13 @@
 """`DecoderTransaction`: new tokens of one or more decoders (one pool), written and attended layer by layer.
 
 One token of one decoder goes through the cache's lean single-token path (`KVCache.begin_token`); anything
-larger through a general `kvcache.Transaction`. What every layer shares is planned once (`decode.layer_plan`).
+larger through a general `kvcache.Transaction`. What every layer shares is planned once (`decode.attention_plan`).
 """
 import numpy as np
 
 from . import window as _window
 from .inputs import check_tokens, split_ragged
-from .layer_plan import attend_token, csr, plan_batch
+from .attention_plan import attend_token, csr, plan_batch
 
 
 class DecoderTransaction:
@@ -28,7 +28,7 @@ class DecoderTransaction:
         self._counts = [num_tokens[d.seq] for d in decoders]
         self._single_token = len(decoders) == 1 and self._counts[0] == 1
         self._one_each = len(decoders) > 1 and all(c == 1 for c in self._counts)
-        self._plans = {}                # number of queries -> `decode.layer_plan.LayerPlan`, see `_attend`
+        self._plans = {}                # number of queries -> `decode.attention_plan.AttentionPlan`, see `_attend`
         self._token_plan = None         # the one-token path's plan (`attend_token`)
         if self._single_token:          # reserve (CacheFullError and bad ids leave everything as it was)
             self._tx = self.cache.begin_token(decoders[0].seq, token_id=(token_ids or {}).get(decoders[0].seq))
@@ -188,4 +188,4 @@ class DecoderTransaction:
                                                     *self._page_tables(), self.start, self._counts, q.shape,
                                                     dec.window, self._query_seq(), self._query_pos())
         out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
-        return plan.run(dec.pools, layer, q, dec.scale, dec.window, out)
+        return plan.run_layer(dec.pools, layer, q, dec.scale, dec.window, out)
