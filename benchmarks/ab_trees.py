@@ -8,6 +8,7 @@ cache). Reports per shape the median per-call time of each tree and the median o
     python -m benchmarks.ab_trees TREE_A TREE_B ROUNDS
     AB_CPU=1 ...            process CPU time instead of wall clock (use with NUMBA_NUM_THREADS=1 on a busy box)
     AB_ONLY=MQA,GQA8 ...    only the shapes whose label contains one of these
+    AB_PRECISION=highest    pass precision="highest" to the trees whose entry point takes it (float64 q.k)
 
 Not collected by pytest (no timing claims of its own): a tool for measuring a kernel change side by side.
 """
@@ -61,13 +62,17 @@ def worker(tree):
         from decode.attention_plan import attend_unchecked
     except ImportError:                     # a tree before the planning module
         attend_unchecked = getattr(A, "_paged_decode_attention_unchecked")
+    import inspect
+    precision = os.environ.get("AB_PRECISION")
+    kw = {"precision": precision} if precision and "precision" in inspect.signature(attend_unchecked).parameters \
+        else {}
     clock = time.process_time if os.environ.get("AB_CPU") else time.perf_counter
     cases = _cases(np)
 
     def call(case, i):
         _, pools, pi, ptr, q, qseq, qpos, out, scale = case
         k, v = pools[i % len(pools)]
-        attend_unchecked(q, k, v, pi, ptr, qseq, qpos, scale, 0, out)
+        attend_unchecked(q, k, v, pi, ptr, qseq, qpos, scale, 0, out, **kw)
 
     for case in cases:                  # compile / warm outside the timings
         for i in range(3):

@@ -28,8 +28,8 @@ from .kernels.units import find_runs, plan_tiles, plan_units
 
 # per-query kernel (measured, docs/kernel.md)
 SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
-SPLIT_TOKENS = 256           # key ranges are cut at absolute multiples of max(this, MIN_SPLIT_WORK / width),
-MIN_SPLIT_WORK = 1 << 20     # rounded up to whole blocks (width = num_q_heads * (head_dim + head_dim_v))
+SPLIT_TOKENS = 256           # key ranges are cut at absolute multiples of this (rounded up to whole blocks):
+                             # the same for every head count, so a head-sharded worker cuts as one process does
 BLOCK_TOKENS = 64            # keys per online-softmax block (rounded down to whole pages, at least one page)
 PREFETCH_BYTES = 4096        # software prefetch distance along the walk of K and V runs
 # tiled kernel
@@ -104,7 +104,7 @@ class QueryPlan:
         self.ahead = PREFETCH_BYTES
         self.acc0 = acc0
         width = num_q_heads * (head_dim + head_dim_v)
-        split = split_tokens if split_tokens > 0 else max(SPLIT_TOKENS, -(-MIN_SPLIT_WORK // width))
+        split = split_tokens if split_tokens > 0 else SPLIT_TOKENS
         self.split = split = -(-split // block) * block
         nthreads = numba.get_num_threads()
         self.serial = mode == 1 or (mode == 0 and (nthreads < 2 or visible_work(query_pos, window) * width

@@ -39,11 +39,9 @@ def pv_folded(S, c0, vp, st, s0, s1, acc):
     (`pv1_i8`: each 32-lane group's accumulator in registers over all the rows). S [G, block] float32,
     vp [page_size, Dv] int8, st the page tile's
     scales (`loaders.tile_scales`), acc [G, Dv] float32."""
-    G = acc.shape[0]
     Dv = acc.shape[1]
-    full = Dv // GROUP
-    NG = -(-Dv // GROUP)
-    for g in range(G):
+    full, NG = Dv // GROUP, -(-Dv // GROUP)
+    for g in range(acc.shape[0]):
         ag = acc[g]
         w = S[g]
         if full > 0:
@@ -149,11 +147,9 @@ def qk_int8(qs, kp, st, s0, s1, S, c0):
     (`dot4_i8`: 4 rows per pass, the scale applied once per row group; for G < 4 query heads per kv head, where
     widening a tile first would be re-read by too few heads). qs [G, D], kp [page_size, D] int8, st the page
     tile's scales (`loaders.tile_scales`), S [G, block]."""
-    G = qs.shape[0]
     D = qs.shape[1]
-    full = D // GROUP
-    NG = -(-D // GROUP)
-    for g in range(G):
+    full, NG = D // GROUP, -(-D // GROUP)
+    for g in range(qs.shape[0]):
         qg = qs[g]
         Sg = S[g]
         t = s0

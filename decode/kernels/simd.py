@@ -53,26 +53,18 @@ if JIT:
     from llvmlite import ir as _ir
 
     @intrinsic
-    def _h2f(typingctx, x):
-        if x != types.uint16:
+    def _bits2f(typingctx, x):
+        """float16 bits (uint16) or bfloat16 bits (int16) -> float32, exactly."""
+        if x not in (types.uint16, types.int16):
             return None
 
         def codegen(context, builder, sig, args):
-            return builder.fpext(builder.bitcast(args[0], _ir.HalfType()), _ir.FloatType())
-
-        return types.float32(types.uint16), codegen
-
-    @intrinsic
-    def _bf2f(typingctx, x):
-        if x != types.int16:
-            return None
-
-        def codegen(context, builder, sig, args):
+            if sig.args[0] == types.uint16:
+                return builder.fpext(builder.bitcast(args[0], _ir.HalfType()), _ir.FloatType())
             i32 = _ir.IntType(32)
-            wide = builder.shl(builder.zext(args[0], i32), _ir.Constant(i32, 16))
-            return builder.bitcast(wide, _ir.FloatType())
+            return builder.bitcast(builder.shl(builder.zext(args[0], i32), _ir.Constant(i32, 16)), _ir.FloatType())
 
-        return types.float32(types.int16), codegen
+        return types.float32(x), codegen
 
     @intrinsic
     def _pow2_intrinsic(typingctx, n):
@@ -143,10 +135,8 @@ if JIT:
 
     @overload(ld)
     def _ld_ov(x):
-        if x == types.uint16:
-            return lambda x: _h2f(x)
-        if x == types.int16:
-            return lambda x: _bf2f(x)
+        if x in (types.uint16, types.int16):
+            return lambda x: _bits2f(x)
         if isinstance(x, types.Float):
             return lambda x: x
         return None

@@ -61,109 +61,91 @@ def balance(costs, nchunks):
 
 
 @njit(cache=True)
-def _query_range(query_pos, i, window):
-    hi = query_pos[i] + 1
-    return (max(0, hi - window) if window > 0 else 0), hi
-
-
-@njit(cache=True)
-def plan_units(query_pos, window, split, nchunks):
-    """Per-query units: every query's visible keys cut at absolute multiples of `split` tokens, balanced over
-    `nchunks` chunks by cost (tokens + 16 per unit); consecutive units of a query are consecutive key ranges.
-
-    Returns units [U, 4] = (query, lo, hi, workspace slot or -1 when the range is one piece), bounds
-    [nchunks + 1], items [n_split, 3] = (query, first slot, number of slots) and the number of slots."""
-    nq = query_pos.shape[0]
+def cut_ranges(lo, hi, split):
+    """Cut each owner's key range [lo[o], hi[o]) at absolute multiples of `split` (split <= 0: never).
+    Returns pieces [U, 4] = (owner, a, b, workspace slot or -1 when the range is one piece), in owner order and
+    key order within an owner, items [n_split, 3] = (owner, first slot, number of pieces) and the number of
+    slots (a cut range's pieces occupy consecutive slots in key order)."""
     U = 0
     n_items = 0
-    for i in range(nq):
-        lo, hi = _query_range(query_pos, i, window)
-        n = parts(lo, hi, split)
+    for o in range(lo.shape[0]):
+        n = parts(lo[o], hi[o], split)
         U += n
         n_items += n > 1
-    units = np.empty((U, 4), np.int64)
-    costs = np.empty(U, np.int64)
+    pieces = np.empty((U, 4), np.int64)
     items = np.empty((n_items, 3), np.int64)
     u = 0
     w = 0
     it = 0
-    for i in range(nq):
-        lo, hi = _query_range(query_pos, i, window)
-        n = parts(lo, hi, split)
+    for o in range(lo.shape[0]):
+        n = parts(lo[o], hi[o], split)
         if n > 1:
-            items[it, 0] = i
+            items[it, 0] = o
             items[it, 1] = w
             items[it, 2] = n
             it += 1
         for j in range(n):
-            a, b = piece(lo, hi, split, j, n)
-            units[u, 0] = i
-            units[u, 1] = a
-            units[u, 2] = b
-            units[u, 3] = w if n > 1 else -1
+            a, b = piece(lo[o], hi[o], split, j, n)
+            pieces[u, 0] = o
+            pieces[u, 1] = a
+            pieces[u, 2] = b
+            pieces[u, 3] = w if n > 1 else -1
             w += n > 1
-            costs[u] = b - a + 16
             u += 1
-    return units, balance(costs, nchunks), items, w
+    return pieces, items, w
 
 
 @njit(cache=True)
-def _tile_range(runs, run, t0, tokens, window):
-    T = runs[run, 2]
-    p0 = runs[run, 3]
-    nt = min(tokens, T - t0)
-    lo = max(0, p0 + t0 - window + 1) if window > 0 else 0
-    return nt, lo, p0 + t0 + nt
+def plan_units(query_pos, window, split, nchunks):
+    """Per-query units: every query's visible keys cut at absolute multiples of `split` tokens (`cut_ranges`),
+    balanced over `nchunks` chunks by cost (tokens + 16 per unit).
+
+    Returns units [U, 4] = (query, lo, hi, workspace slot or -1 when the range is one piece), bounds
+    [nchunks + 1], items [n_split, 3] = (query, first slot, number of slots) and the number of slots."""
+    hi = query_pos + 1
+    lo = np.zeros_like(hi)
+    if window > 0:
+        lo = np.maximum(hi - window, 0)
+    units, items, w = cut_ranges(lo, hi, split)
+    return units, balance(units[:, 2] - units[:, 1] + 16, nchunks), items, w
 
 
 @njit(cache=True)
 def plan_tiles(runs, num_kv_heads, G, window, tokens, split, nchunks):
     """Tiled units: every (run, kv head, tile of <= `tokens` queries), its key range cut at absolute multiples of
-    `split` tokens (a unit per piece), balanced over `nchunks` chunks by cost (rows x keys + 64 x rows).
+    `split` tokens (`cut_ranges`, a unit per piece), balanced over `nchunks` chunks by cost (rows x keys +
+    64 x rows).
 
     Returns units [U, 7] = (run, kv head, first token, tokens, ka, kb, slot or -1), bounds [nchunks + 1],
     items [n_split, 5] = (run, kv head, first token, tokens, first slot), item_parts [n_split], num_slots."""
-    U = 0
-    n_items = 0
+    n = 0
     for run in range(runs.shape[0]):
-        for t0 in range(0, runs[run, 2], tokens):
-            nt, lo, hi = _tile_range(runs, run, t0, tokens, window)
-            n = parts(lo, hi, split)
-            U += n * num_kv_heads
-            n_items += num_kv_heads if n > 1 else 0
-    units = np.empty((U, 7), np.int64)
-    costs = np.empty(U, np.int64)
-    items = np.empty((n_items, 5), np.int64)
-    item_parts = np.empty(n_items, np.int64)
-    u = 0
-    w = 0
-    it = 0
+        n += -(-runs[run, 2] // tokens) * num_kv_heads
+    tiles = np.empty((n, 4), np.int64)            # (run, kv head, first token, tokens) of every tile
+    lo = np.empty(n, np.int64)
+    hi = np.empty(n, np.int64)
+    o = 0
     for run in range(runs.shape[0]):
+        p0 = runs[run, 3]
         for t0 in range(0, runs[run, 2], tokens):
-            nt, lo, hi = _tile_range(runs, run, t0, tokens, window)
-            n = parts(lo, hi, split)
+            nt = min(tokens, runs[run, 2] - t0)
             for h in range(num_kv_heads):
-                if n > 1:
-                    items[it, 0] = run
-                    items[it, 1] = h
-                    items[it, 2] = t0
-                    items[it, 3] = nt
-                    items[it, 4] = w
-                    item_parts[it] = n
-                    it += 1
-                for j in range(n):
-                    a, b = piece(lo, hi, split, j, n)
-                    units[u, 0] = run
-                    units[u, 1] = h
-                    units[u, 2] = t0
-                    units[u, 3] = nt
-                    units[u, 4] = a
-                    units[u, 5] = b
-                    units[u, 6] = w if n > 1 else -1
-                    w += n > 1
-                    costs[u] = nt * G * (b - a + 64)
-                    u += 1
-    return units, balance(costs, nchunks), items, item_parts, w
+                tiles[o, 0] = run
+                tiles[o, 1] = h
+                tiles[o, 2] = t0
+                tiles[o, 3] = nt
+                lo[o] = max(0, p0 + t0 - window + 1) if window > 0 else 0
+                hi[o] = p0 + t0 + nt
+                o += 1
+    pieces, cut, w = cut_ranges(lo, hi, split)
+    units = np.empty((pieces.shape[0], 7), np.int64)
+    units[:, :4] = tiles[pieces[:, 0]]
+    units[:, 4:] = pieces[:, 1:]
+    items = np.empty((cut.shape[0], 5), np.int64)
+    items[:, :4] = tiles[cut[:, 0]]
+    items[:, 4] = cut[:, 1]
+    costs = units[:, 3] * G * (units[:, 5] - units[:, 4] + 64)
+    return units, balance(costs, nchunks), items, cut[:, 2].copy(), w
 
 
 @njit(cache=True, fastmath=True)

@@ -533,5 +533,59 @@ def test_cache_dir_fallback(monkeypatch, tmp_path):
 
 
 def test_thresholds_are_sane():
-    assert AP.SERIAL_WORK > 0 and AP.MIN_SPLIT_WORK >= 1 and AP.SPLIT_TOKENS >= AP.BLOCK_TOKENS
+    assert AP.SERIAL_WORK > 0 and AP.SPLIT_TOKENS >= AP.BLOCK_TOKENS
     assert AP.TILED_SPLIT % AP.TILE_BLOCK == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# bfloat16 pages (uint16 bits, widened by a 16-bit shift)
+# ------------------------------------------------------------------------------------------------------------
+def _to_bf16_bits(x):
+    """float32 -> bfloat16 bits (uint16), round to nearest even (finite inputs): the test's own rounding."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bf16_values(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("head_dim,group,P", [(1, 1, 1), (33, 4, 3), (64, 8, 16), (40, 2, 5), (128, 32, 16)])
+def test_bfloat16_pages(head_dim, group, P, reduced_grid):
+    """storage="bfloat16": uint16 pages of bfloat16 bits read directly by the per-query kernel (serial, parallel,
+    split) and the tiled kernel (runs), within the float32 budget of the float64 oracle on the dequantized K/V."""
+    if reduced_grid and head_dim == 128:
+        pytest.skip("full grid only")
+    rng = np.random.default_rng(head_dim * 100 + group + P)
+    kv = 1 if group == 32 else 2
+    scene = Scene(rng, dtype=F32, num_kv_heads=kv, group=group, head_dim=head_dim, page_size=P,
+                  lengths=[1, P + 1, 70, 300], queries=[(0, 0), (1, P), (2, 69)] + [(3, t) for t in range(290, 300)])
+    kb, vb = _to_bf16_bits(scene.k_pages), _to_bf16_bits(scene.v_pages)
+    scene.k_pages, scene.v_pages = _bf16_values(kb), _bf16_values(vb)     # the oracle's (dequantized) K/V
+    args = scene.args()
+    ref = naive.decode(*args, scene.scale, 0)
+    allowed = naive.budget(*args, scene.scale, 0, ref=ref)
+    out = paged_decode_attention(scene.q, kb, vb, *args[3:], storage="bfloat16")
+    assert np.abs(out - ref).max() <= allowed
+    for mode, split in ((1, 0), (2, 0), (2, 64)):
+        got = attend_unchecked(scene.q, kb, vb, *args[3:], scene.scale, 0, np.empty_like(out), mode=mode,
+                               split_tokens=split, storage="bfloat16")
+        assert np.abs(got - ref).max() <= allowed
+    with pytest.raises(TypeError, match="storage='bfloat16'"):
+        paged_decode_attention(scene.q, kb, vb, *args[3:])
+    with pytest.raises(TypeError, match="uint16"):
+        paged_decode_attention(*args, storage="bfloat16")
+
+
+def test_bfloat16_widening_exact(reduced_grid):
+    """The kernel's bfloat16 load widens finite bit patterns exactly (subnormals, signed zeros, extremes): one
+    key per sequence, so each output is its value row times weight 1."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    bits = np.ascontiguousarray(bits[np.isfinite(_bf16_values(bits))][:: 97 if reduced_grid else 7])
+    n = len(bits)
+    v = bits.reshape(n, 1, 1, 1)
+    k = np.zeros_like(v)
+    out = paged_decode_attention(np.ones((n, 1, 1), np.float32), k, v, np.arange(n, dtype=np.int32),
+                                 np.arange(n + 1), np.arange(n, dtype=np.int32), np.zeros(n, np.int64),
+                                 storage="bfloat16")
+    assert np.array_equal(out.reshape(-1), _bf16_values(bits))             # (-0.0 comes out as 0.0)
