@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
-EXTRAS = "test,plot,demo,compare,hf,distributed"
+EXTRAS = "test,plot,demo,compare,hf,distributed,serve"
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
 
 
@@ -66,7 +66,7 @@ def main(argv) -> None:
     elif job == "bench":
         run(py, "-m", "pytest", "benchmarks", "--benchmark-only", *extra)
     elif job in ("demo", "audit", "memory"):
-        run(py, "-m", "decode.cli", job, *extra)
+        run(py, "-m", "decode.app.cli", job, *extra)
     else:
         sys.exit(f"dev.py: unknown job {job!r}; expected one of demo, audit, memory, bench, test")
 

@@ -1,7 +1,12 @@
-"""One `model.generate()` of a random-weight Llama in this process: PagedCache + "pagedkv" (``--impl paged``) or
-DynamicCache + "sdpa" (``--impl dynamic``); prints one JSON line.
+"""One `model.generate()` of a random-weight Llama in this process: PagedCache + "pagedkv" (``--impl paged``),
+DynamicCache + "sdpa" (``--impl dynamic``) or StaticCache + "sdpa" (``--impl static``, sized for prompt + new);
+prints one JSON line.
 
     python -m benchmarks.hf_generate --impl paged --prompt 512 --batch 1 --new 32 [--layers 16 ...] [--forks 8]
+        [--model-dtype float32|bfloat16] [--storage auto|float32|float16|bfloat16]
+
+``--model-dtype bfloat16`` casts the model's weights (transformers then keeps bf16 K/V in Dynamic/StaticCache);
+``--storage auto`` leaves PagedCache's page dtype at its default for the model.
 
 Measured inside the process (the model is built, and every kernel warmed, before any timing):
 * prefill_s: from the streamer's prompt callback (just before the first forward) to the first new token;
@@ -45,15 +50,21 @@ def build_model(args):
                          bos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     impl = "pagedkv" if args.impl == "paged" else "sdpa"
-    return AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+    return model.to(getattr(torch, args.model_dtype))
 
 
 def new_cache(args, model, batch, tokens):
     if args.impl == "paged":
         from decode.hf import PagedCache
 
-        return PagedCache(model.config, max_tokens=batch * (tokens + 2 * args.page_size), dtype=args.storage,
-                          page_size=args.page_size)
+        kwargs = {} if args.storage == "auto" else {"dtype": args.storage}
+        return PagedCache(model.config, max_tokens=batch * (tokens + 2 * args.page_size), page_size=args.page_size,
+                          **kwargs)
+    if args.impl == "static":
+        from transformers import StaticCache
+
+        return StaticCache(config=model.config, max_cache_len=tokens)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
@@ -83,6 +94,18 @@ def run_generate(args, model, ids):
     return out, cache, np.diff(stamps.times)
 
 
+def storage_name(args, cache) -> str:
+    """The K/V element type the cache holds: PagedCache's pool dtype, else the model's."""
+    if args.impl == "paged":
+        return str(getattr(cache.pool, "dtype", None) or cache.pool.config.dtype)
+    return args.model_dtype
+
+
+def kv_itemsize(args, cache) -> int:
+    name = storage_name(args, cache)
+    return 2 if name in ("bfloat16", "float16") else np.dtype(name).itemsize
+
+
 def measure_forks(args, model, ids) -> dict:
     """Prefill one prompt, then copy its cache for ``args.forks`` requests; time and RSS of the copies."""
     import torch
@@ -104,7 +127,7 @@ def measure_forks(args, model, ids) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impl", choices=["paged", "dynamic"], required=True)
+    p.add_argument("--impl", choices=["paged", "dynamic", "static"], required=True)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--new", type=int, default=32)
@@ -117,7 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--storage", default="float32")
+    p.add_argument("--storage", default="float32", help="PagedCache page dtype, or auto (its default)")
+    p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--forks", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -142,10 +166,11 @@ def main(argv=None) -> int:
     out, cache, gaps = run_generate(args, model, ids)
     peak = peak_rss_bytes()
     tokens = args.prompt + args.new - 1                       # the last token is returned, never cached
-    raw_kv = 2 * args.layers * args.batch * tokens * args.kv_heads * args.head_dim * np.dtype(args.storage).itemsize
+    raw_kv = 2 * args.layers * args.batch * tokens * args.kv_heads * args.head_dim * kv_itemsize(args, cache)
     result = {"impl": args.impl, "prompt": args.prompt, "batch": args.batch, "new": args.new,
               "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
-              "head_dim": args.head_dim, "threads": args.threads, "storage": args.storage,
+              "head_dim": args.head_dim, "threads": args.threads, "storage": storage_name(args, cache),
+              "model_dtype": args.model_dtype,
               "build_s": build_s, "warm_s": warm_s, "prefill_s": float(gaps[0]),
               "decode_s": float(np.median(gaps[1:])) if len(gaps) > 1 else None,
               "decode_s_all": [float(g) for g in gaps[1:]],

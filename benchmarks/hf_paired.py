@@ -1,11 +1,13 @@
-"""Paired timing of the forwards generate() makes: one model, a DynamicCache ("sdpa") and a PagedCache
-("pagedkv") side by side in one process; the prefill of each and then every decode step alternate between the
-two (the order flips each step), so a noisy shared machine slows both alike and the per-step ratio survives.
+"""Paired timing of the forwards generate() makes: one model, a DynamicCache ("sdpa"), optionally a StaticCache
+("sdpa") and a PagedCache ("pagedkv") side by side in one process; the prefills of each and then every decode
+step alternate between them (the order rotates each step), so a noisy shared machine slows all alike and the
+per-step ratio survives.
 
     python -m benchmarks.hf_paired [--prompt 4096] [--batch 1] [--steps 32] [--layers 4] [--threads 2] [--json]
+        [--impls dynamic,static,paged] [--model-dtype bfloat16] [--storage auto] [--prefill-repeats 3]
 
-Reported: prefill seconds of each, the median decode step of each, the median of the per-step ratios
-(sdpa / paged: > 1 means paged is faster), and the CPU time (process_time) beside the wall time.
+Reported: prefill seconds of each (median of the repeats), the median decode step of each, the medians of the
+per-step ratios other / paged (> 1 means paged is faster), and the CPU time (process_time) beside the wall time.
 """
 import argparse
 import json
@@ -20,6 +22,22 @@ def timed(fn):
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+IMPLS = {"dynamic": "sdpa", "static": "sdpa", "paged": "pagedkv"}      # cache -> attention implementation
+
+
+def make_cache(impl, model, args, max_len):
+    from transformers import DynamicCache, StaticCache
+
+    from decode.hf import PagedCache
+
+    if impl == "dynamic":
+        return DynamicCache(config=model.config)
+    if impl == "static":
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    kwargs = {} if args.storage == "auto" else {"dtype": args.storage}
+    return PagedCache(model.config, max_tokens=args.batch * (max_len + 128), page_size=64, **kwargs)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", type=int, default=4096)
@@ -27,9 +45,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--impls", default="dynamic,paged", help="caches side by side: dynamic,static,paged")
+    p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--storage", default="float32", help="PagedCache pages: float32 | float16 | bfloat16 | auto")
+    p.add_argument("--prefill-repeats", type=int, default=1,
+                   help="prefills of each cache, alternated (the last one's cache is decoded)")
     p.add_argument("--quick", action="store_true", help="a tiny model (CI)")
     p.add_argument("--thin-prefill", action="store_true",
-                   help="fill both caches with a narrow model of the same attention layout (hidden 256): the "
+                   help="fill the caches with a narrow model of the same attention layout (hidden 256): the "
                         "history's K/V for the decode timing at a fraction of the prefill cost; prefill times "
                         "are then the narrow model's")
     p.add_argument("--json", action="store_true")
@@ -37,72 +60,82 @@ def main(argv=None) -> int:
 
     import numba
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     import decode.hf  # noqa: F401
-    from decode.hf import PagedCache
 
     torch.set_num_threads(args.threads)
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    impls = args.impls.split(",")
     dims = (dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  vocab_size=256) if args.quick else
             dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                  vocab_size=32000))
-    config = LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=args.prompt + args.steps + 64,
+    max_len = args.prompt + args.steps
+    config = LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=max_len + 64,
                          eos_token_id=None, bos_token_id=None, pad_token_id=0, **dims)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    ids = torch.randint(1, dims["vocab_size"], (args.batch, args.prompt + args.steps),
-                        generator=torch.Generator().manual_seed(1))
-    caches = {"sdpa": DynamicCache(config=model.config),
-              "pagedkv": PagedCache(model.config, max_tokens=args.batch * (args.prompt + args.steps + 128),
-                                    page_size=64)}
+    dtype = getattr(torch, args.model_dtype)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval().to(dtype)
+    ids = torch.randint(1, dims["vocab_size"], (args.batch, max_len), generator=torch.Generator().manual_seed(1))
+    caches = {}
 
     thin = model
     if args.thin_prefill:
         thin_config = LlamaConfig(**{**config.to_dict(), "hidden_size": 256, "intermediate_size": 256})
         torch.manual_seed(0)
-        thin = AutoModelForCausalLM.from_config(thin_config, attn_implementation="sdpa").eval()
+        thin = AutoModelForCausalLM.from_config(thin_config, attn_implementation="sdpa").eval().to(dtype)
 
     def forward(impl, tokens, which=None):
         which = model if which is None else which
-        which.set_attn_implementation(impl)
+        which.set_attn_implementation(IMPLS[impl])
         with torch.no_grad():
             return which(input_ids=tokens, past_key_values=caches[impl], use_cache=True, logits_to_keep=1).logits
 
-    warm = {"sdpa": DynamicCache(config=model.config), "pagedkv": PagedCache(model.config, max_tokens=4096)}
-    for impl in warm:                                         # compile / warm up outside the timings
-        model.set_attn_implementation(impl)
-        with torch.no_grad():
-            model(input_ids=ids[:, :8], past_key_values=warm[impl], use_cache=True)
-            model(input_ids=ids[:, 8:9], past_key_values=warm[impl], use_cache=True)
-    prefill, steps, logits = {}, {"sdpa": [], "pagedkv": []}, {}
-    for impl in ("sdpa", "pagedkv"):
-        prefill[impl] = timed(lambda: logits.__setitem__(impl, forward(impl, ids[:, :args.prompt], thin)))
-    max_diff = float((logits["sdpa"] - logits["pagedkv"]).abs().max())
+    for impl in impls:                                        # compile / warm up outside the timings
+        caches[impl] = make_cache(impl, model, args, 64)
+        forward(impl, ids[:, :8])
+        forward(impl, ids[:, 8:9])
+    prefill, steps, logits = {i: [] for i in impls}, {i: [] for i in impls}, {}
+    for rep in range(args.prefill_repeats):
+        for impl in (impls if rep % 2 == 0 else impls[::-1]):
+            caches[impl] = make_cache(impl, model, args, max_len)
+            prefill[impl].append(timed(lambda: logits.__setitem__(impl, forward(impl, ids[:, :args.prompt], thin))))
+    base = impls[0]
+    max_diff = {i: float((logits[base].float() - logits[i].float()).abs().max()) for i in impls[1:]}
     for i in range(args.steps):
         tok = ids[:, args.prompt + i: args.prompt + i + 1]
-        for impl in (("sdpa", "pagedkv") if i % 2 == 0 else ("pagedkv", "sdpa")):
+        k = i % len(impls)
+        for impl in impls[k:] + impls[:k]:
             steps[impl].append(timed(lambda: logits.__setitem__(impl, forward(impl, tok))))
-        max_diff = max(max_diff, float((logits["sdpa"] - logits["pagedkv"]).abs().max()))
-    ratios = [a[0] / b[0] for a, b in zip(steps["sdpa"], steps["pagedkv"])]
-    result = {"prompt": args.prompt, "batch": args.batch, "thin_prefill": args.thin_prefill, "layers": args.layers, "threads": args.threads,
-              "steps": args.steps,
-              **{f"{impl}_prefill_s": prefill[impl][0] for impl in prefill},
-              **{f"{impl}_prefill_cpu_s": prefill[impl][1] for impl in prefill},
-              **{f"{impl}_decode_s": statistics.median(s[0] for s in steps[impl]) for impl in steps},
-              **{f"{impl}_decode_cpu_s": statistics.median(s[1] for s in steps[impl]) for impl in steps},
-              "decode_ratio_median": statistics.median(ratios), "prefill_ratio": prefill["sdpa"][0] / prefill[
-                  "pagedkv"][0], "max_logit_difference": max_diff,
-              "kernel_calls": caches["pagedkv"].stats["kernel_calls"]}
+        for o in impls[1:]:
+            max_diff[o] = max(max_diff[o], float((logits[base].float() - logits[o].float()).abs().max()))
+    ref = "paged" if "paged" in impls else impls[-1]
+    result = {"prompt": args.prompt, "batch": args.batch, "thin_prefill": args.thin_prefill, "layers": args.layers,
+              "threads": args.threads, "steps": args.steps, "model_dtype": args.model_dtype, "impls": impls,
+              "prefill_repeats": args.prefill_repeats,
+              "storage": (str(caches["paged"].pool.config.dtype) if "paged" in impls else None),
+              **{f"{impl}_prefill_s": statistics.median(t[0] for t in prefill[impl]) for impl in impls},
+              **{f"{impl}_prefill_cpu_s": statistics.median(t[1] for t in prefill[impl]) for impl in impls},
+              **{f"{impl}_decode_s": statistics.median(s[0] for s in steps[impl]) for impl in impls},
+              **{f"{impl}_decode_cpu_s": statistics.median(s[1] for s in steps[impl]) for impl in impls},
+              f"max_logit_difference_vs_{base}": max_diff}
+    for o in impls:
+        if o != ref:
+            result[f"{o}_over_{ref}_decode"] = statistics.median(a[0] / b[0] for a, b in zip(steps[o], steps[ref]))
+            result[f"{o}_over_{ref}_prefill"] = statistics.median(
+                a[0] / b[0] for a, b in zip(prefill[o], prefill[ref]))
+    if "paged" in impls:
+        result["kernel_calls"] = caches["paged"].stats["kernel_calls"]
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"prompt {args.prompt} x batch {args.batch}, {args.layers} layers, {args.threads} threads: prefill "
-              f"sdpa {result['sdpa_prefill_s']:.2f} s / paged {result['pagedkv_prefill_s']:.2f} s "
-              f"({result['prefill_ratio']:.2f}x); decode step sdpa {1e3 * result['sdpa_decode_s']:.1f} ms / paged "
-              f"{1e3 * result['pagedkv_decode_s']:.1f} ms (median paired ratio {result['decode_ratio_median']:.2f}x);"
-              f" max |logit difference| {max_diff:.2e}")
+        print(f"prompt {args.prompt} x batch {args.batch}, {args.layers} layers, {args.model_dtype} model, "
+              f"{args.threads} threads: " + "; ".join(
+                  f"{impl}: prefill {result[impl + '_prefill_s']:.2f} s, decode {1e3 * result[impl + '_decode_s']:.1f}"
+                  f" ms" for impl in impls) + "; paired ratios (> 1: " + ref + " faster): " + ", ".join(
+                  f"{k} {v:.2f}" for k, v in result.items() if k.endswith(("_decode", "_prefill")) and "_over_" in k)
+              + f"; max |logit difference| vs {base} {max_diff}")
     return 0
 
 

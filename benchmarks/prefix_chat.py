@@ -4,7 +4,7 @@
     python -m benchmarks.prefix_chat [--system 2048] [--user 32] [--requests 8]
 
 ``requests`` prompts = one shared system prompt + a user turn each, through the demo's numpy transformer
-(`decode.tiny_model.TinyTransformer`: 4 layers, d_model 256, 8 q / 2 kv heads, head_dim 32, float32 K/V, page 16) on
+(`decode.app.tiny_model.TinyTransformer`: 4 layers, d_model 256, 8 q / 2 kv heads, head_dim 32, float32 K/V, page 16) on
 one shared cache, twice: with prefix reuse (`Decoder.from_prefix`, token ids on the prefill) and without
 (every prompt computed whole). Time to first token = match + prefill of the uncached tokens -> the first
 token's logits and argmax. Prints one JSON line: medians, the ratio (requests 2.. with reuse: the first has
@@ -18,8 +18,8 @@ import time
 import numpy as np
 
 from decode.decoder import Decoder
-from decode.demo import DemoConfig
-from decode.tiny_model import TinyTransformer
+from decode.app.demo import DemoConfig
+from decode.app.tiny_model import TinyTransformer
 from kvcache import KVCache
 
 

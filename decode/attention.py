@@ -39,6 +39,7 @@ from .kernels.checks import CheckCode, check_inputs
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _STORAGE = _FLOATS + (np.dtype(np.int8),)
+_STORAGE_NAMES = ("float16", "float32", "float64", "int8", BFLOAT16)
 _F16 = np.dtype(np.float16)
 _SCALE_GROUP = 32
 _Q_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -75,8 +76,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
 
     Every input is checked before anything is computed; errors are ``TypeError`` (wrong kinds: int / bool /
     complex / object data) or ``ValueError`` (shapes, values), with messages ``"name: expected ..., got ..."``.
-    See the module docstring for the shapes; storage: None (the format of k_pages' dtype) or "bfloat16" (uint16
-    pages of bfloat16 bits); precision: "default" or "highest"."""
+    See the module docstring for the shapes; storage: None (the format of k_pages' dtype), a format's name
+    ("float16", "float32", "float64", "int8": it must be k_pages' dtype) or "bfloat16" (uint16 pages of bfloat16
+    bits); precision: "default" or "highest"."""
     storage = _check_storage(k_pages, v_pages, storage)
     compute = compute_dtype(storage)
     _check_scales(k_pages, v_pages, k_scales, v_scales)
@@ -110,9 +112,13 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
 
 
 def _check_storage(k_pages, v_pages, storage):
-    """The storage format of checked K/V pages: their dtype, or "bfloat16" for uint16 pages so named."""
-    if storage is not None and not (isinstance(storage, str) and storage == BFLOAT16):
-        raise ValueError(f"storage: expected None or {BFLOAT16!r}, got {storage!r}")
+    """The storage format of checked K/V pages: their dtype, or "bfloat16" for uint16 pages so named (a given
+    name of another format must be the pages' dtype)."""
+    if storage is not None and (not isinstance(storage, str) or storage not in _STORAGE_NAMES):
+        raise ValueError(f"storage: expected None or one of {_STORAGE_NAMES}, got {storage!r}")
+    if storage not in (None, BFLOAT16) and isinstance(k_pages, np.ndarray) and k_pages.dtype != np.dtype(storage):
+        raise TypeError(f"k_pages: expected dtype {storage} (storage={storage!r}), got {k_pages.dtype}")
+    storage = None if storage != BFLOAT16 else storage
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{name}: expected a numpy array, got {type(x).__name__}")

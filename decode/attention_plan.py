@@ -297,12 +297,12 @@ def check_held(cache, seqs: list, indices: np.ndarray, indptr: np.ndarray, start
 
 def attend_token(decoder, token, layer: int, q, k, v, plan: AttentionPlan | None = None):
     """Write one token's checked ``k``/``v`` into ``token``'s slot (`kvcache.TokenWrite`) in ``layer`` and
-    attend with ``q [num_q_heads, head_dim]`` (working precision) over positions ``.. token.position``.
+    attend with ``q [num_q_heads, head_dim]`` (working precision) over positions ``.. token.positions[0]``.
     Returns ``(out [num_q_heads, head_dim_v], plan)``; ``plan`` is made on the first layer of a token
     (`plan_token`) and passed back in for the others."""
     token.write(layer, k, v)
     if plan is None:
-        plan = plan_token(decoder.cache, decoder.pools, decoder.seq, token.pages(), token.position,
+        plan = plan_token(decoder.cache, decoder.pools, decoder.seq, token.pages(), int(token.positions[0]),
                           decoder.num_q_heads, decoder.window, getattr(decoder, "precision", "default"))
     out = np.empty(plan.out_shape, dtype=decoder.q_dtype)
     return plan.run_layer(decoder.pools, layer, q[None], decoder.scale, decoder.window, out)[0], plan

@@ -9,7 +9,7 @@ from kvcache.checks import check_int
 
 from .decoder import Decoder
 from .inputs import check_single_layer, check_tokens, split_ragged
-from .transaction import DecoderTransaction
+from .decoder_transaction import DecoderTransaction
 
 
 def batch_transaction(decoders, num_tokens=None, *, token_ids=None) -> DecoderTransaction:

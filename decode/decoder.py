@@ -19,9 +19,9 @@ from kvcache import KVCache
 from kvcache.checks import check_int
 
 from . import window as _window
-from .inputs import InputChecks, check_single_layer, check_tokens, num_tokens_of
 from .attention_plan import LayerPools, attend_token
-from .transaction import DecoderTransaction
+from .decoder_transaction import DecoderTransaction
+from .inputs import InputChecks, check_readable, check_single_layer, check_tokens, num_tokens_of
 
 
 class Decoder:
@@ -31,8 +31,9 @@ class Decoder:
     ----------
     num_q_heads, num_kv_heads, head_dim : int   num_q_heads must be a multiple of num_kv_heads (GQA / MQA)
     head_dim_v : int or None                    V head size (None: head_dim)
-    dtype : "float16" | "float32" | "float64" | "int8"   storage dtype; outputs are float32 (float64 for
-                                                float64); int8 quantizes on write (`kvcache.quant`)
+    dtype : "float16" | "float32" | "float64" | "int8" | "bfloat16"   storage dtype; outputs are float32
+                                                (float64 for float64); int8 quantizes on write (`kvcache.quant`),
+                                                bfloat16 rounds to nearest even (`kvcache.bf16`)
     page_size, max_tokens : int                 a private pool of ceil(max_tokens / page_size) pages
     scale : float or None                       score scale (None: 1 / sqrt(head_dim))
     window : int or None                        sliding window: position p reads keys in (p - window, p];
@@ -87,6 +88,7 @@ class Decoder:
     def _attach(self, cache: KVCache, new_seq, num_q_heads, scale, window) -> None:
         """Check the arguments, then take the sequence ``new_seq()`` (so a bad argument leaves the cache as it was)."""
         cfg = cache.config
+        check_readable(cfg)
         num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
         if num_q_heads % cfg.num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")
@@ -116,8 +118,8 @@ class Decoder:
 
     def kv(self, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Dense copies ``K [length, num_kv_heads, head_dim]``, ``V [length, num_kv_heads, head_dim_v]`` in the
-        storage dtype (int8: dequantized to float32; from `first_position` on, once a sliding window released
-        older pages)."""
+        storage dtype (int8: dequantized to float32; bfloat16: widened to float32, exact; from `first_position`
+        on, once a sliding window released older pages)."""
         return self.cache.gather(self.seq, layer)
 
     # -- single-layer API ---------------------------------------------------------------------------------

@@ -1,18 +1,12 @@
 """kvcache: a preallocated, paged KV cache with transactional append, rollback, truncation and shared prefixes.
 
-Knows nothing of attention; `decode` reads it through this public API.
+Knows nothing of attention; `decode` reads it through this public API. The snapshot errors' subclasses are in
+`kvcache.errors`; test tooling (fault injection, the allocator, writable internals) in `kvcache.testing`.
 """
-from .allocator import PageAllocator
-from .cache import KVCache
+from .cache import KVCache, PrefixMatch
 from .config import CacheConfig
-from .cache import PrefixMatch
-from .errors import (CacheFullError, InjectedFault, ScaleOverflowError, SnapshotChecksumError, SnapshotConfigError,
-                     SnapshotCorruptError, SnapshotError, SnapshotFormatError, SnapshotInconsistentError,
-                     SnapshotRangeError, SnapshotTruncatedError, SnapshotVersionError)
-from .faults import FaultInjector
-from .transaction import Transaction
+from .errors import CacheFullError, ScaleOverflowError, SnapshotError
+from .transaction import AppendTransaction, TokenBatch, TokenWrite, Transaction
 
-__all__ = ["KVCache", "CacheConfig", "CacheFullError", "InjectedFault", "FaultInjector", "PageAllocator",
-           "PrefixMatch", "ScaleOverflowError", "Transaction", "SnapshotError", "SnapshotTruncatedError",
-           "SnapshotCorruptError", "SnapshotChecksumError", "SnapshotVersionError", "SnapshotConfigError",
-           "SnapshotFormatError", "SnapshotRangeError", "SnapshotInconsistentError"]
+__all__ = ["KVCache", "CacheConfig", "PrefixMatch", "CacheFullError", "ScaleOverflowError", "SnapshotError",
+           "AppendTransaction", "Transaction", "TokenBatch", "TokenWrite"]

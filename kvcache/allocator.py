@@ -6,6 +6,7 @@ list by its owner: a cached prefix page that may be adopted again, or reclaimed 
 Every mutating method has an exact inverse, so a failed operation can be undone in LIFO order and leave the
 free list (its order included), the parked set and the reference counts exactly as they were.
 """
+import sys
 from collections import Counter
 from typing import Callable, Iterable
 
@@ -125,6 +126,10 @@ class PageAllocator:
     def ref_counts(self) -> tuple[int, ...]:
         return tuple(self._refs)
 
+    def metadata_nbytes(self) -> tuple[int, int]:
+        """``(ref counts, free list)``: ``sys.getsizeof`` of the two lists (memory accounting)."""
+        return sys.getsizeof(self._refs), sys.getsizeof(self._free)
+
     def check_invariants(self, page_tables: Iterable[Iterable[int]]) -> None:
         """Raise AssertionError unless free + parked + in use == total, each ref count equals the number of
         page tables holding the page, nothing is both free (or parked) and mapped, and the free list has no
@@ -143,3 +148,37 @@ class PageAllocator:
                 f"page {page}: ref count {self._refs[page]} but held by {held.get(page, 0)} page tables")
             assert (self._refs[page] == 0) == (page in free or page in self._parked), (
                 f"page {page}: ref count 0 iff free or parked violated")
+
+
+class AllocatorView:
+    """What a `KVCache` shows of its `PageAllocator`: the counts and copies, nothing that changes it."""
+
+    __slots__ = ("_allocator",)
+
+    def __init__(self, allocator: PageAllocator):
+        self._allocator = allocator
+
+    @property
+    def num_pages(self) -> int:
+        return self._allocator.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Clean free pages (without the cached prefix pages, see `KVCache.num_free_pages`)."""
+        return self._allocator.num_free_pages
+
+    @property
+    def num_parked(self) -> int:
+        return self._allocator.num_parked
+
+    def ref_count(self, page: int) -> int:
+        return self._allocator.ref_count(page)
+
+    def parked(self) -> frozenset[int]:
+        return self._allocator.parked()
+
+    def free_list(self) -> tuple[int, ...]:
+        return self._allocator.free_list()
+
+    def ref_counts(self) -> tuple[int, ...]:
+        return self._allocator.ref_counts()

@@ -22,25 +22,25 @@ into pages a transaction owns exclusively (copy-on-write made sure of it). A seq
 transaction refuses every other mutation (`RuntimeError`). Not safe: reading a sequence (gather, attention)
 while another thread truncates or frees that same sequence.
 
-Modules: the state and shared page bookkeeping (`kvcache.core`), appends (`kvcache.appends`, handed to
-`Transaction` / `TokenWrite` through `kvcache.seam`), truncate / fork / free / release / prefix reuse
-(`kvcache.lifecycle`), invariants and fingerprints (`kvcache.audit`), snapshot state (`kvcache.snapshot_state`).
+Modules: the state and shared page bookkeeping (`kvcache.core`), appends (the cache side: `kvcache.appender`;
+the transaction protocol and its three shapes: `kvcache.transaction`), truncate / fork / free / release / prefix reuse
+(`kvcache.lifecycle`), invariants and fingerprints (`kvcache.integrity`), snapshot state (`kvcache.snapshot_state`).
 """
 import os
 from typing import NamedTuple
 
 import numpy as np
 
-from . import audit, lifecycle, snapshot, snapshot_state
-from .appends import append_seam
-from .checks import as_float_array, check_int, check_shape
+from . import integrity, lifecycle, snapshot, snapshot_state
+from .allocator import AllocatorView
+from .appender import Appender
+from .checks import check_int
 from .config import CacheConfig
 from .core import CacheCore
+from .group import OpGroup
 from .prefix import PrefixIndex, check_namespace, check_token_ids
 from .sequence import Sequence
-from .token import TokenWrite
-from .token_batch import TokenBatch
-from .transaction import Transaction
+from .transaction import TokenBatch, TokenWrite, Transaction
 
 
 class PrefixMatch(NamedTuple):
@@ -56,8 +56,10 @@ class KVCache:
     ----------
     num_layers, num_kv_heads, head_dim : int
     head_dim_v : int or None      V head size (None: same as head_dim)
-    dtype : "float16" | "float32" | "float64" | "int8"   storage dtype (int8: quantized on write with a
-                                  float16 scale per 32 values, `kvcache.quant`; reads dequantize)
+    dtype : "float16" | "float32" | "float64" | "int8" | "bfloat16"   storage dtype (int8: quantized on write
+                                  with a float16 scale per 32 values, `kvcache.quant`; reads dequantize;
+                                  bfloat16: rounded to nearest even, pages of uint16 bits, `kvcache.bf16`;
+                                  reads widen to float32)
     page_size : int               tokens per page
     num_pages / max_tokens : int  pool size (give exactly one; max_tokens is rounded up to whole pages)
     prefix_caching : bool         register full pages by their token ids and reuse them (`match_prefix`)
@@ -80,11 +82,9 @@ class KVCache:
         salt = os.urandom(16) if prefix_salt is None else prefix_salt
         self._core = core = CacheCore(cfg, PrefixIndex(salt, repr(cfg)) if prefix_caching else None, namespace, salt)
         self._pool = core.pool                     # the page arrays (values, int8 scales) and their byte operations
-        self._k, self._v = core.pool.k, core.pool.v
-        self.allocator = core.allocator
-        self._sequences = core.sequences           # {id: Sequence} (the tests' and `kvcache.memory`'s view)
         self._lock = core.lock
-        self._seam = append_seam(core)
+        self.allocator = AllocatorView(core.allocator)   # read-only: ref counts, free pages (tests, the scheduler)
+        self._appender = Appender(core)
 
     @property
     def index(self) -> PrefixIndex | None:
@@ -107,16 +107,16 @@ class KVCache:
     @fault_hook.setter
     def fault_hook(self, hook) -> None:
         self._core.fault_hook = hook
-        self.allocator.fault_hook = hook
+        self._core.allocator.fault_hook = hook
 
     # -- read-only views ----------------------------------------------------------------------------------
     def k_pages(self, layer: int = 0) -> np.ndarray:
         """``[num_pages, num_kv_heads, page_size, head_dim]`` K pages of ``layer`` (a view; do not write)."""
-        return self._k[check_int("layer", layer, maximum=self.config.num_layers - 1)]
+        return self._pool.k[check_int("layer", layer, maximum=self.config.num_layers - 1)]
 
     def v_pages(self, layer: int = 0) -> np.ndarray:
         """``[num_pages, num_kv_heads, page_size, head_dim_v]`` V pages of ``layer`` (a view; do not write)."""
-        return self._v[check_int("layer", layer, maximum=self.config.num_layers - 1)]
+        return self._pool.v[check_int("layer", layer, maximum=self.config.num_layers - 1)]
 
     def k_scales(self, layer: int = 0) -> np.ndarray | None:
         """int8 storage: ``float16 [num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]`` K scales of
@@ -154,7 +154,7 @@ class KVCache:
 
     @property
     def sequences(self) -> tuple[int, ...]:
-        return tuple(self._sequences)
+        return tuple(self._core.sequences)
 
     def length(self, seq: int) -> int:
         return self._sequence(seq).length
@@ -176,7 +176,15 @@ class KVCache:
             seq, core.next_id = core.next_id, core.next_id + 1
             core.sequences[seq] = s = Sequence()
             s.namespace = namespace
+            core.keep_for_group(None, lambda: core.forget_created(seq))
             return seq
+
+    def group(self, *, span_calls: bool = False) -> OpGroup:
+        """Sequence operations undone together (`kvcache.group.OpGroup`): ``with cache.group(): ...`` rolls
+        back every create_sequence / fork / free / truncate / release_before / match_prefix of the block if it
+        raises, sequence-id counter included. ``span_calls=True``: the group stays open across blocks until
+        ``close()`` or ``rollback()``."""
+        return OpGroup(self._core, span_calls)
 
     def token_ids(self, seq: int) -> np.ndarray:
         """``int32 [num_known]``: the token ids known for positions ``0 ..`` of ``seq`` (a copy)."""
@@ -194,19 +202,7 @@ class KVCache:
         ``layered``: ``k [num_layers, T, num_kv_heads, head_dim]`` (``[T, ...]`` accepted for one layer);
         otherwise one layer's ``k [T, num_kv_heads, head_dim]``. ``v`` likewise with ``head_dim_v``.
         """
-        cfg = self.config
-        k, v = as_float_array("k", k), as_float_array("v", v)
-        if layered and k.ndim == 3 and cfg.num_layers == 1:
-            k, v = k[None], v[None] if v.ndim == 3 else v
-        lead, labels = ((cfg.num_layers,), "[num_layers, T, num_kv_heads, ") if layered else ((), "[T, num_kv_heads, ")
-        if num_tokens is None:
-            if k.ndim != len(lead) + 3:                    # no T to show: name it
-                shape = ", ".join(map(str, lead + ("T", cfg.num_kv_heads, cfg.head_dim)))
-                raise ValueError(f"k: expected shape {labels}head_dim] = ({shape}), got {k.shape}")
-            num_tokens = k.shape[len(lead)]
-        check_shape("k", k, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim), labels + "head_dim]")
-        check_shape("v", v, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim_v), labels + "head_dim_v]")
-        return self._pool.check("k", k), self._pool.check("v", v)
+        return self._appender.check_kv(k, v, num_tokens, layered=layered)
 
     def check_storable(self, name: str, x: np.ndarray) -> np.ndarray:
         """A float array of any shape validated for this pool's storage: cast to the storage dtype (finite after
@@ -237,7 +233,7 @@ class KVCache:
         for seq, count in num_tokens.items():
             self._sequence(seq)
             checked[int(seq)] = check_int(f"num_tokens[{seq}]", count)
-        return Transaction(self, self._seam, checked, self._check_token_ids(token_ids, checked)).begin()
+        return Transaction(self._appender, checked, self._check_token_ids(token_ids, checked))
 
     def _check_token_ids(self, token_ids, num_tokens: dict[int, int]) -> dict:
         if token_ids is None:
@@ -255,8 +251,8 @@ class KVCache:
     def begin_token(self, seq: int, *, token_id=None) -> "TokenWrite":
         """Reserve position `length` of ``seq`` for one token (the decode-step path); see `TokenWrite`.
         ``token_id`` (optional): the token's id, for prefix caching."""
-        ids = None if token_id is None else check_token_ids("token_id", np.atleast_1d(token_id), 1)
-        return TokenWrite(self, self._seam, seq, ids)
+        ids = None if token_id is None else [check_token_ids("token_id", np.atleast_1d(token_id), 1)]
+        return TokenWrite(self._appender, [seq], ids)
 
     def begin_tokens(self, seqs, *, token_ids=None) -> TokenBatch:
         """Reserve position `length` of each of ``seqs`` (distinct sequence ids) for one token each (the batched
@@ -275,7 +271,10 @@ class KVCache:
                 raise TypeError(f"token_ids: expected a dict {{seq: token id}}, got {type(token_ids).__name__}")
             ids = self._check_token_ids({seq: np.atleast_1d(i) for seq, i in token_ids.items()},
                                         dict.fromkeys(map(int, seqs), 1))
-        return TokenBatch(self, self._seam, [int(seq) for seq in seqs], ids)
+        seqs = [int(seq) for seq in seqs]
+        if ids is not None:
+            ids = [ids.get(seq) for seq in seqs]
+        return (TokenWrite if len(seqs) == 1 else TokenBatch)(self._appender, seqs, ids)
 
     # -- prefix reuse -------------------------------------------------------------------------------------
     def match_prefix(self, token_ids, *, namespace=None) -> PrefixMatch:
@@ -316,7 +315,7 @@ class KVCache:
     def gather(self, seq: int, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Dense copies of what ``seq`` can read in ``layer``: ``K [length - first, num_kv_heads, head_dim]``,
         ``V [length - first, num_kv_heads, head_dim_v]`` for positions ``first = first_position(seq) ..
-        length - 1``, in the storage dtype (int8: dequantized to float32)."""
+        length - 1``, in the storage dtype (int8: dequantized to float32; bfloat16: widened to float32, exact)."""
         layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
         with self._lock:
             s = self._sequence(seq)
@@ -329,7 +328,7 @@ class KVCache:
         """Write the whole cache to ``path`` (safetensors, atomically; `kvcache.snapshot`): only the pages in
         use. Refused (RuntimeError) while a transaction is open. Returns the file size in bytes."""
         with self._lock:
-            busy = [seq for seq, s in self._sequences.items() if s.busy]
+            busy = [seq for seq, s in self._core.sequences.items() if s.busy]
             if busy:
                 raise RuntimeError(f"save: expected no open transaction, got sequences {busy} in transactions")
             state = snapshot_state.capture(self._core)
@@ -352,7 +351,7 @@ class KVCache:
                              f"got {sorted(keep - saved_ids)} not in it")
         cfg = state.config
         cache = cls(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                    head_dim_v=cfg.head_dim_v, page_size=cfg.page_size, num_pages=cfg.num_pages, dtype=cfg.dtype,
+                    head_dim_v=cfg.head_dim_v, page_size=cfg.page_size, num_pages=cfg.num_pages, dtype=cfg.storage,
                     prefix_caching=state.prefix_caching, namespace=state.namespace)
         snapshot_state.restore(cache._core, state)
         for seq in sorted(saved_ids - keep):
@@ -364,7 +363,7 @@ class KVCache:
         """AssertionError unless the allocator's invariants hold for the page tables and every sequence's
         table matches its length."""
         with self._lock:
-            audit.check_invariants(self._core)
+            integrity.check_invariants(self._core)
 
     def fingerprint(self, *, include_free_pages: bool = True) -> str:
         """sha256 over the pool bytes (int8: the scales too) and all metadata (free list order, ref counts, tables, lengths, token ids,
@@ -372,4 +371,10 @@ class KVCache:
         of the slots in use (positions below a holder's length; cached pages whole), what a snapshot keeps and
         the next operations can read (a new page's unwritten slots hold whatever was there before)."""
         with self._lock:
-            return audit.fingerprint(self._core, include_free_pages)
+            return integrity.fingerprint(self._core, include_free_pages)
+
+
+def core_of(cache: KVCache) -> CacheCore:
+    """The state behind ``cache`` (`kvcache.core.CacheCore`: sequences, allocator, lock, pool), for the package's
+    own modules that read it whole (`kvcache.accounting`) and for `kvcache.testing`; not the user API."""
+    return cache._core

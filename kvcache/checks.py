@@ -4,6 +4,8 @@ import numbers
 import numpy as np
 
 STORAGE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int8))
+BFLOAT16 = "bfloat16"              # no numpy dtype: the pool holds uint16 bits (`kvcache.bf16`)
+STORAGE_NAMES = tuple(d.name for d in STORAGE_DTYPES) + (BFLOAT16,)
 
 
 def check_int(name: str, value, *, minimum: int = 0, maximum: int | None = None) -> int:
@@ -17,17 +19,26 @@ def check_int(name: str, value, *, minimum: int = 0, maximum: int | None = None)
     return value
 
 
-def check_storage_dtype(name: str, dtype) -> np.dtype:
-    """Return the numpy dtype for "float16" / "float32" / "float64" / "int8" (or the numpy types); int8 is the
-    quantized format of `kvcache.quant` (inputs stay float)."""
+def check_storage_dtype(name: str, dtype) -> str:
+    """The storage format's name for "float16" / "float32" / "float64" / "int8" (or the numpy types) and
+    "bfloat16"; int8 is the quantized format of `kvcache.quant`, bfloat16 the rounding of `kvcache.bf16`
+    (inputs stay float for both)."""
+    if isinstance(dtype, str) and dtype == BFLOAT16:
+        return BFLOAT16
     try:
         resolved = None if dtype is None else np.dtype(dtype)    # np.dtype(None) would be float64
     except TypeError:
         resolved = None
     # not `resolved not in STORAGE_DTYPES`: `np.dtype("float64") == None` is True, so None would pass
     if resolved is None or not any(resolved == d for d in STORAGE_DTYPES):
-        raise TypeError(f"{name}: expected one of float16, float32, float64, int8, got {dtype!r}")
-    return resolved
+        raise TypeError(f"{name}: expected one of {', '.join(STORAGE_NAMES)}, got {dtype!r}")
+    return resolved.name
+
+
+def storage_array_dtype(storage: str) -> np.dtype:
+    """The element dtype of a pool of the storage format ``storage`` (a checked name): uint16 for bfloat16,
+    else the dtype of that name."""
+    return np.dtype(np.uint16) if storage == BFLOAT16 else np.dtype(storage)
 
 
 def as_float_array(name: str, value) -> np.ndarray:

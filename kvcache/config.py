@@ -4,14 +4,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import quant
-from .checks import check_int, check_storage_dtype
+from .checks import BFLOAT16, check_int, check_storage_dtype, storage_array_dtype
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """Layout of one pool: every layer has K pages ``[num_pages, num_kv_heads, page_size, head_dim]`` and
-    V pages ``[num_pages, num_kv_heads, page_size, head_dim_v]`` in the storage ``dtype`` (int8: plus float16
-    scale arrays ``[num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]``, see `kvcache.quant`).
+    V pages ``[num_pages, num_kv_heads, page_size, head_dim_v]`` of element type ``dtype`` in the storage format
+    ``storage`` (its name: "float16", "float32", "float64", "int8" or "bfloat16"; ``dtype`` is the numpy dtype of
+    that name, or uint16 for bfloat16, whose pool holds the bits, `kvcache.bf16`; int8: plus float16 scale
+    arrays ``[num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]``, see `kvcache.quant`).
 
     The head-major page layout (heads outside tokens) keeps each head's keys of a page contiguous, so the
     decode kernel streams ``page_size * head_dim`` elements per (page, head); it measured 1.3-2.5x faster
@@ -25,6 +27,7 @@ class CacheConfig:
     page_size: int
     num_pages: int
     dtype: np.dtype
+    storage: str
 
     @classmethod
     def build(cls, *, num_layers=1, num_kv_heads, head_dim, head_dim_v=None, page_size=16, num_pages=None,
@@ -43,7 +46,7 @@ class CacheConfig:
                    head_dim_v=head_dim if head_dim_v is None else check_int("head_dim_v", head_dim_v, minimum=1),
                    page_size=page_size,
                    num_pages=check_int("num_pages", num_pages, minimum=1),
-                   dtype=check_storage_dtype("dtype", dtype))
+                   dtype=storage_array_dtype(storage := check_storage_dtype("dtype", dtype)), storage=storage)
 
     @property
     def k_page_shape(self) -> tuple:
@@ -59,6 +62,11 @@ class CacheConfig:
     def quantized(self) -> bool:
         """int8 storage: values plus float16 scales per 32 values (`kvcache.quant`)."""
         return self.dtype == quant.VALUE_DTYPE
+
+    @property
+    def bfloat16(self) -> bool:
+        """bfloat16 storage: uint16 bits of the inputs rounded to nearest even (`kvcache.bf16`)."""
+        return self.storage == BFLOAT16
 
     @property
     def scale_bytes_per_token(self) -> int:

@@ -1,19 +1,25 @@
 """Jitted stores of one token per row into the page pool: NumPy's float16 cast runs ~10 ns an element here (no
 F16C) and its fancy-indexed scatter ~1 ns an element plus its overhead; these were most of a decode step's
 time beyond the kernel. float32 -> float16 is bit for bit NumPy's ``astype(np.float16)`` (round to nearest,
-ties to even; subnormals; inf above the range), other casts are the compiler's (IEEE round to nearest, as
-NumPy's), tested against NumPy.
+ties to even; subnormals; inf above the range), float32 -> bfloat16 bit for bit `kvcache.bf16.to_bits` (the
+format's one rule), other casts are the compiler's (IEEE round to nearest, as NumPy's), tested against NumPy.
 
-    store_token_f16(k16, v16, layer, page, offset, k_bits, v_bits)          float16 pool, float32 input
+    store_token_bits(k16, v16, layer, page, offset, k_bits, v_bits, fmt)    16-bit pool, float32 input
     scatter_kv(k_dst, v_dst, pages, offsets, k, v, k_old, v_old)             float pools, same dtype or a cast
-    scatter_kv_f16(k16, v16, pages, offsets, k_bits, v_bits, k_old, v_old)   float16 pool (bits), float32 input
+    scatter_kv_bits(k16, v16, pages, offsets, k_bits, v_bits, k_old, v_old, fmt)   16-bit pool, float32 input
 
-Shapes for `store_token_f16`: ``k16 [num_layers, num_pages, num_kv_heads, page_size, head_dim]`` uint16 (the
-float16 pool viewed as its bits), ``v16`` likewise (head_dim_v); the token goes to slot ``offset`` of ``page``
-in ``layer``; ``k_bits [num_kv_heads, head_dim]`` uint32 (float32 values viewed as bits), ``v_bits`` likewise.
+``fmt`` is `FLOAT16` or `BFLOAT16`: the 16-bit format the pool's bits are in (one compiled loop for both; the
+branch on it is the same for every element). Shapes for `store_token_bits`: ``k16 [num_layers, num_pages,
+num_kv_heads, page_size, head_dim]`` uint16 (the float16 pool viewed as its bits, or a bfloat16 pool), ``v16``
+likewise (head_dim_v); the token goes to slot ``offset`` of ``page`` in ``layer``; ``k_bits [num_kv_heads,
+head_dim]`` uint32 (float32 values viewed as bits), ``v_bits`` likewise.
 """
 import numpy as np
 from numba import njit
+
+from .bf16 import f32_bits_to_bf16
+
+FLOAT16, BFLOAT16 = 0, 1
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -41,16 +47,22 @@ def f32_bits_to_f16(x):
     return sign | r
 
 
+@njit(cache=True, nogil=True, inline="always")
+def round_bits(x, fmt):
+    """float32 bits (uint32) -> the 16-bit format ``fmt``'s bits (uint16)."""
+    return np.uint16(f32_bits_to_f16(x) if fmt == FLOAT16 else f32_bits_to_bf16(x))
+
+
 @njit(cache=True, nogil=True)
-def store_token_f16(k16, v16, layer, page, offset, k_bits, v_bits):
+def store_token_bits(k16, v16, layer, page, offset, k_bits, v_bits, fmt):
     """See the module docstring."""
     for h in range(k_bits.shape[0]):
         dst, src = k16[layer, page, h, offset], k_bits[h]
         for i in range(src.shape[0]):
-            dst[i] = np.uint16(f32_bits_to_f16(src[i]))
+            dst[i] = round_bits(src[i], fmt)
         dst, src = v16[layer, page, h, offset], v_bits[h]
         for i in range(src.shape[0]):
-            dst[i] = np.uint16(f32_bits_to_f16(src[i]))
+            dst[i] = round_bits(src[i], fmt)
 
 
 @njit(cache=True, nogil=True)
@@ -69,17 +81,17 @@ def scatter_kv(k_dst, v_dst, pages, offsets, k, v, k_old, v_old):
 
 
 @njit(cache=True, nogil=True)
-def scatter_kv_f16(k16, v16, pages, offsets, k_bits, v_bits, k_old, v_old):
-    """`scatter_kv` into a float16 layer viewed as uint16 bits from float32 input viewed as uint32 bits."""
+def scatter_kv_bits(k16, v16, pages, offsets, k_bits, v_bits, k_old, v_old, fmt):
+    """`scatter_kv` into a 16-bit layer (uint16 bits of format ``fmt``) from float32 input viewed as uint32 bits."""
     for b in range(pages.shape[0]):
         page, offset = pages[b], offsets[b]
         for h in range(k_bits.shape[1]):
             for i in range(k_bits.shape[2]):
                 k_old[b, h, i] = k16[page, h, offset, i]
-                k16[page, h, offset, i] = np.uint16(f32_bits_to_f16(k_bits[b, h, i]))
+                k16[page, h, offset, i] = round_bits(k_bits[b, h, i], fmt)
             for i in range(v_bits.shape[2]):
                 v_old[b, h, i] = v16[page, h, offset, i]
-                v16[page, h, offset, i] = np.uint16(f32_bits_to_f16(v_bits[b, h, i]))
+                v16[page, h, offset, i] = round_bits(v_bits[b, h, i], fmt)
 
 
 _F32 = np.dtype(np.float32)

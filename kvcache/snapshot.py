@@ -12,6 +12,8 @@ reference counts or key chains each raise a `SnapshotError` subclass (a ValueErr
 where. Tensors (named dimensions; ``U`` pages in use, ``S`` sequences, ``E`` index entries)::
 
     k [num_layers, U, num_kv_heads, page_size, head_dim]   v [num_layers, U, num_kv_heads, page_size, head_dim_v]
+        in the pool's element type: the config's "dtype" names the storage format; bfloat16 pages are stored
+        as their uint16 bits (safetensors U16, no rounding on the way: a load gives back the same bits)
     used_pages int32 [U]        free_list int32 [F]        eviction_order int32 [C]      ref_counts int32 [num_pages]
     seq_meta int64 [S, 6]: id, length, first_live_page, num_logical_pages, num_known, namespace index
     seq_tables int32 [sum pages]   seq_tokens int32 [sum known]   seq_chain int32 [sum chain] (entry index or -1)
@@ -42,7 +44,7 @@ VERSION = 1
 def config_dict(cfg: CacheConfig) -> dict:
     return {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
             "head_dim_v": cfg.head_dim_v, "page_size": cfg.page_size, "num_pages": cfg.num_pages,
-            "dtype": cfg.dtype.name}
+            "dtype": cfg.storage}
 
 
 def encode(state: CacheState) -> tuple[dict, dict]:

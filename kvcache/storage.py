@@ -1,23 +1,26 @@
 """`PagePool`: the preallocated page arrays of one cache and every byte-level operation on them (checked input
--> stored rows, page copy for copy-on-write, dense reads, hashing), for the float dtypes and int8.
+-> stored rows, page copy for copy-on-write, dense reads, hashing), for the float dtypes, bfloat16 and int8.
 
 Arrays (all layers; allocated once with ``np.zeros``, lazily backed by the OS, never grown or moved):
 
-    k:        [num_layers, num_pages, num_kv_heads, page_size, head_dim]      storage dtype (int8 for int8)
+    k:        [num_layers, num_pages, num_kv_heads, page_size, head_dim]      storage dtype (int8 for int8;
+                                                                              uint16 bits for bfloat16)
     v:        [num_layers, num_pages, num_kv_heads, page_size, head_dim_v]
     k_scales: [num_layers, num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]    float16, int8 only
     v_scales: [num_layers, num_pages, num_kv_heads, page_size, ceil(head_dim_v / 32)]  float16, int8 only
 
 The scales sit beside the values with the same leading indices, so every operation on a (layer, page, head,
 slot) row treats both alike: a write journals and overwrites the values and the scales of its rows, a
-copy-on-write copies both, a dense read dequantizes (`kvcache.quant`).
+copy-on-write copies both, a dense read dequantizes (`kvcache.quant`). bfloat16 (`kvcache.bf16`): every write
+rounds float input to the bits (bits given, as `check` returns them, are stored as they are); a dense read
+widens to float32 (exact).
 """
 import numpy as np
 
-from . import quant
+from . import bf16, quant
 from .checks import cast_to_storage
 from .config import CacheConfig
-from .jit_store import as_f32_bits, scatter_kv, scatter_kv_f16, store_token_f16
+from .jit_store import BFLOAT16, FLOAT16, as_f32_bits, scatter_kv, scatter_kv_bits, store_token_bits
 from .journal import Journal
 
 _F32 = np.dtype(np.float32)
@@ -38,8 +41,10 @@ class PagePool:
         else:
             self.k_scales = self.v_scales = None
             self.arrays = (self.k, self.v)
-        self.half = cfg.dtype == np.float16       # float32 input is stored by the jitted `kvcache.jit_store`
-        self.k16, self.v16 = (self.k.view(np.uint16), self.v.view(np.uint16)) if self.half else (None, None)
+        self.bf16 = cfg.bfloat16
+        # 16-bit formats: float32 input is rounded and stored by the jitted `kvcache.jit_store`, into the bits
+        self.bits = BFLOAT16 if self.bf16 else FLOAT16 if cfg.dtype == np.float16 else None
+        self.k16, self.v16 = (self.k.view(np.uint16), self.v.view(np.uint16)) if self.bits is not None else (None, None)
 
     @property
     def nbytes(self) -> int:
@@ -47,12 +52,22 @@ class PagePool:
         return sum(a.nbytes for a in self.arrays)
 
     def check(self, name: str, x: np.ndarray) -> np.ndarray:
-        """A float array validated for storage: cast to the storage dtype (finite after the cast), or for int8
-        checked finite and within `quant.MAX_ABS` and returned as given (the write quantizes)."""
+        """A float array validated for storage: cast to the storage dtype (finite after the cast; bfloat16: its
+        uint16 bits, `bf16.check_storable`), or for int8 checked finite and within `quant.MAX_ABS` and returned as
+        given (the write quantizes)."""
         if self.quantized:
             quant.check_quantizable(name, x)
             return x
+        if self.bf16:
+            return bf16.check_storable(name, x)
         return cast_to_storage(name, x, self.config.dtype)
+
+    def stored(self, x: np.ndarray) -> np.ndarray:
+        """Checked rows as the pool's elements: for bfloat16 float input rounded to its bits (bits pass as they
+        are); for the other formats ``x`` itself (the assignment casts)."""
+        if self.bf16 and x.dtype != bf16.BITS_DTYPE:
+            return bf16.to_bits(x)
+        return x
 
     def write(self, layer: int, page: int, offset: int, k, v, fault_hook, journal: Journal | None = None,
               saved: list | None = None) -> None:
@@ -69,7 +84,7 @@ class PagePool:
                 targets.append(scales[layer, page, :, offset:offset + count])         # [H, count, G]
                 sources = (stored, scale)
             else:
-                sources = (src,)
+                sources = (self.stored(src),)
             for dst in targets:
                 if journal is not None:
                     journal.save_bytes(dst)
@@ -87,21 +102,23 @@ class PagePool:
     def write_token(self, slot: tuple, layer: int, k: np.ndarray, v: np.ndarray, fault_hook) -> None:
         """Store one token's checked ``k [num_kv_heads, head_dim]``, ``v [num_kv_heads, head_dim_v]`` into
         ``layer`` of ``slot`` (`slot_rows`), passing the fault points "write_k" / "write_v" first; the caller
-        saved the slot's bytes. float32 into float16 storage: one jitted store of both."""
+        saved the slot's bytes. float32 into float16 or bfloat16 storage: one jitted store of both."""
         rows = slot[0]
         fault_hook("write_k")
-        if self.half and k.dtype == _F32 and v.dtype == _F32 and k.flags.c_contiguous and v.flags.c_contiguous:
+        if (self.bits is not None and k.dtype == _F32 and v.dtype == _F32 and k.flags.c_contiguous
+                and v.flags.c_contiguous):
             fault_hook("write_v")
-            store_token_f16(self.k16, self.v16, layer, slot[1], slot[2], k.view(np.uint32), v.view(np.uint32))
+            store_token_bits(self.k16, self.v16, layer, slot[1], slot[2], k.view(np.uint32), v.view(np.uint32),
+                             self.bits)
             return
         if self.quantized:
             rows[0][layer], rows[2][layer] = quant.quantize(k)
             fault_hook("write_v")
             rows[1][layer], rows[3][layer] = quant.quantize(v)
         else:
-            rows[0][layer] = k
+            rows[0][layer] = self.stored(k)
             fault_hook("write_v")
-            rows[1][layer] = v
+            rows[1][layer] = self.stored(v)
 
     def write_rows(self, layer: int, pages: np.ndarray, offsets: np.ndarray, k: np.ndarray, v: np.ndarray,
                    fault_hook, saved: list) -> None:
@@ -109,13 +126,17 @@ class PagePool:
         (checked) at slot ``offsets[b]`` of ``pages[b]`` (distinct slots), in one scatter per array. Before
         each of K and V the fault point "write_k" / "write_v" is passed; ``(array, pages, offsets, old rows)``
         go to ``saved`` (`restore_rows` puts them back)."""
-        if self.half:
+        if self.bits is not None:
             kb, vb = as_f32_bits(k), as_f32_bits(v)
-            if kb is not None and vb is not None:                     # float32 -> float16: one jitted scatter
-                _scatter_saving(scatter_kv_f16, self.k16[layer], self.v16[layer], pages, offsets, kb, vb,
-                                fault_hook, saved)
+            if kb is not None and vb is not None:              # float32 -> float16 / bfloat16: one jitted scatter
+                _scatter_saving(scatter_kv_bits, self.k16[layer], self.v16[layer], pages, offsets, kb, vb,
+                                fault_hook, saved, self.bits)
                 return
-        elif not self.quantized and k.dtype in _JIT_FLOATS and v.dtype in _JIT_FLOATS:   # one jitted scatter
+        if self.bf16:                                          # bits (or rounded to them): one jitted scatter
+            _scatter_saving(scatter_kv, self.k[layer], self.v[layer], pages, offsets, self.stored(k),
+                            self.stored(v), fault_hook, saved)
+            return
+        if not self.quantized and self.bits is None and k.dtype in _JIT_FLOATS and v.dtype in _JIT_FLOATS:
             _scatter_saving(scatter_kv, self.k[layer], self.v[layer], pages, offsets, k, v, fault_hook, saved)
             return
         for name, values, scales, src in (("write_k", self.k, self.k_scales, k),
@@ -141,7 +162,9 @@ class PagePool:
 
     def dense(self, layer: int, pages: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
         """``K [count, H, D]``, ``V [count, H, Dv]`` of the first ``count`` slots of ``pages`` in ``layer``:
-        copies in the storage dtype, or dequantized float32 for int8."""
+        copies in the storage dtype, dequantized float32 for int8, widened float32 (exact) for bfloat16."""
+        if self.bf16:
+            return tuple(bf16.to_float32(_dense(values[layer, pages], count)) for values in (self.k, self.v))
         if not self.quantized:
             return _dense(self.k[layer, pages], count), _dense(self.v[layer, pages], count)
         return tuple(quant.dequantize(_dense(values[layer, pages], count), _dense(scales[layer, pages], count))
@@ -157,13 +180,13 @@ def _dense(pages: np.ndarray, count: int) -> np.ndarray:
     return pages.transpose(0, 2, 1, 3).reshape(n * size, heads, dim)[:count].copy()   # [tokens, H, D]
 
 
-def _scatter_saving(scatter, k_dst, v_dst, pages, offsets, k, v, fault_hook, saved: list) -> None:
-    """One jitted ``scatter`` of the rows ``k`` / ``v`` (already in the pool's element type) to slot
-    ``offsets[b]`` of ``pages[b]``, the overwritten rows kept in ``saved`` for `restore_rows`; the fault points
-    "write_k" and "write_v" are passed first."""
+def _scatter_saving(scatter, k_dst, v_dst, pages, offsets, k, v, fault_hook, saved: list, *extra) -> None:
+    """One jitted ``scatter`` of the rows ``k`` / ``v`` (in the pool's element type, or float32 bits for
+    `scatter_kv_bits`, whose format is in ``extra``) to slot ``offsets[b]`` of ``pages[b]``, the overwritten rows
+    kept in ``saved`` for `restore_rows`; the fault points "write_k" and "write_v" are passed first."""
     fault_hook("write_k")
     fault_hook("write_v")
     k_old, v_old = np.empty(k.shape, k_dst.dtype), np.empty(v.shape, v_dst.dtype)
     saved.append((k_dst, pages, offsets, k_old))
     saved.append((v_dst, pages, offsets, v_old))
-    scatter(k_dst, v_dst, pages, offsets, k, v, k_old, v_old)
+    scatter(k_dst, v_dst, pages, offsets, k, v, k_old, v_old, *extra)

@@ -73,7 +73,7 @@ def merge_rerun(raw: dict, rerun: dict) -> dict:
 
 
 def run_memory(out: Path) -> None:
-    cmd = [sys.executable, "-m", "decode.cli", "memory", "--json"]
+    cmd = [sys.executable, "-m", "decode.app.cli", "memory", "--json"]
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
                    help="with --run: first wait up to SECONDS for the 1-min load average to drop below 0.6")
     p.add_argument("--reruns", type=int, default=2,
                    help="with --run: re-run the benchmarks disturbed by other processes up to this many times")
-    p.add_argument("--memory", action="store_true", help="also run `python -m decode.cli memory --json`")
+    p.add_argument("--memory", action="store_true", help="also run `python -m decode.app.cli memory --json`")
     p.add_argument("--memory-json", default=None, help="a saved `kvengine memory --json` output")
     p.add_argument("--doc", default=str(DOC), help="where to write the markdown (default docs/benchmarks.md)")
     argv = list(sys.argv[1:] if argv is None else argv)

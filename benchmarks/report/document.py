@@ -70,7 +70,7 @@ def render(res: Results, memory_rows=None, results_path: Path | None = None, doc
         "python -m benchmarks.report --run --wait-quiet 900 --memory-json benchmarks/results/memory.json",
         "    # waits (<= 15 min) for a quiet machine, runs the full suite (~25 min) into benchmarks/results/full-run.json,",
         "    # re-runs any benchmark that other processes disturbed, then writes this file and docs/img/*.png",
-        "python -m decode.cli memory --json > benchmarks/results/memory.json        # the memory table's input",
+        "python -m decode.app.cli memory --json > benchmarks/results/memory.json        # the memory table's input",
         "python -m benchmarks.report benchmarks/results/full-run.json --memory-json benchmarks/results/memory.json",
         "pytest benchmarks --benchmark-only -k 'MQA and n32768'       # any subset",
         "pytest benchmarks --benchmark-disable --quick                # what CI runs: every benchmark once, small shapes",
@@ -196,7 +196,7 @@ def render(res: Results, memory_rows=None, results_path: Path | None = None, doc
         "",
     ]
     if memory_rows:
-        parts += ["## KV memory: formula vs measured (`python -m decode.cli memory --json`)", "",
+        parts += ["## KV memory: formula vs measured (`python -m decode.app.cli memory --json`)", "",
                   memory_table(memory_rows), "", img("memory.png", "memory formula vs measured"), ""]
     return "\n".join(p for p in parts) .replace("\n\n\n", "\n\n")
 

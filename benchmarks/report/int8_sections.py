@@ -85,5 +85,5 @@ def issue11_section(res: Results, memory_rows) -> tuple[str, list]:
              "", step, "",
              "### Kernel compute cost (serial, warm K/V, thread CPU time): where the int8 step stops gaining", "",
              int8_compute_section(res), "",
-             "### Memory (`python -m decode.cli memory --json`, int8 rows)", "", mem, ""]
+             "### Memory (`python -m decode.app.cli memory --json`, int8 rows)", "", mem, ""]
     return "\n".join(parts), unmet + unmet_mem

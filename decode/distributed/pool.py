@@ -12,21 +12,18 @@ workers: all rows land or none (two phases: every worker prepares its rows, then
 """
 from kvcache.checks import check_int
 
-from .layout import SequenceLayout
-from .sharded import DEFAULT_TIMEOUT_S, Family, ShardedDecoder, ShardedTransaction, WorkerControls
+from .placement import SequenceLayout
+from .sharded import DEFAULT_TIMEOUT_S, Family, ShardedSequence, ShardedTransaction, WorkerControls
 from .validate import Validator
 
 
-class PooledSequence(ShardedDecoder):
-    """One sequence of a `DecoderPool`, living whole on one worker (`worker`)."""
+class PooledSequence(ShardedSequence):
+    """One sequence of a `DecoderPool`, living whole on one worker (`worker`); it ends with `free` (the workers
+    are the pool's: `DecoderPool.close`, `kill_worker`, `recover`)."""
 
     @property
     def worker(self) -> int:
-        return self._family.layout.home[self._sid]
-
-    def close(self) -> None:
-        """A pool sequence ends with `free` (`DecoderPool.close` ends the workers)."""
-        self.free()
+        return self.family.layout.home[self.sid]
 
 
 class DecoderPool(WorkerControls):
@@ -66,7 +63,7 @@ class DecoderPool(WorkerControls):
                 load[home[sid]] += 1
         sid = self._family.new_sid()
         home[sid] = min(alive, key=lambda w: (load[w], w))
-        return PooledSequence._member(self._family, Validator(**self._settings), sid, None)
+        return PooledSequence.member(self._family, Validator(**self._settings), sid, None)
 
     def batch_step(self, seqs, q, k, v):
         """`decode.batch_step` over pool sequences (on any workers): ``q [B, num_q_heads, head_dim]``,
@@ -87,11 +84,11 @@ class DecoderPool(WorkerControls):
 
     def _members(self, seqs) -> list:
         seqs = list(seqs)
-        if not seqs or not all(isinstance(s, PooledSequence) and s._family is self._family for s in seqs):
+        if not seqs or not all(isinstance(s, PooledSequence) and s.family is self._family for s in seqs):
             raise TypeError(f"seqs: expected a non-empty list of this pool's sequences, got {seqs!r}")
-        ids = [s._sid for s in seqs]
+        ids = [s.sid for s in seqs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"seqs: expected distinct sequences, got sequence ids {ids}")
         for s in seqs:
-            s._require()
+            s.require_live()
         return seqs

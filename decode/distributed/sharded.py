@@ -19,7 +19,7 @@ from kvcache import CacheFullError
 from kvcache.checks import check_int
 
 from .cluster import Cluster, raise_first
-from .layout import ContextLayout, HeadsLayout
+from .placement import ContextLayout, HeadsLayout
 from .validate import Validator
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -100,7 +100,156 @@ class WorkerControls:
         self.close()
 
 
-class ShardedDecoder(WorkerControls):
+class ShardedSequence:
+    """The `decode.Decoder` contract of one sequence whose K/V live on Ray workers (`ShardedDecoder` and its
+    forks, `decode.distributed.DecoderPool`'s sequences): step / extend / append / transaction / truncate / fork /
+    free / kv / length. ``family``: the workers and lengths it shares with its forks; ``sid``: its id there."""
+
+    @property
+    def family(self) -> Family:
+        return self._family
+
+    @property
+    def sid(self) -> int:
+        return self._sid
+
+    @property
+    def validator(self) -> Validator:
+        """The single-process checks this sequence's calls run first (its own scratch pool)."""
+        return self._validator
+
+    # -- construction ---------------------------------------------------------------------------------------
+    def _attach(self, family: Family, validator: Validator, sid: int, parent, own: bool = True) -> None:
+        """Create sequence ``sid`` on its workers (a fork of ``parent`` when given); ``own``: the family ends
+        (its workers are killed) if this fails."""
+        self._family, self._validator, self._sid = family, validator, sid
+        self.shard = family.layout.name
+        try:
+            if parent is None:
+                family.broadcast({w: ("new_sequence", sid) for w in family.layout.holders(sid)}, ("new_sequence", sid))
+            else:
+                self._fork_on_workers(parent)
+        except BaseException:
+            if own:
+                family.cluster.close()
+            raise
+        family.lengths[sid] = family.lengths.get(parent, 0)
+
+    def _fork_on_workers(self, parent: int) -> None:
+        cluster, sid = self._family.cluster, self._sid
+        calls = {w: ("fork", parent, sid) for w in self._family.layout.holders(parent)}
+        results, errors, lost = cluster.gather(calls)
+        if errors or lost:                                        # undo the fork where it was made
+            cluster.gather({w: ("free", sid) for w in results})
+            raise_first(cluster, errors, lost)
+        for w in calls:
+            cluster.log(w, ("fork", parent, sid))
+
+    @classmethod
+    def member(cls, family: Family, validator: Validator, sid: int, parent) -> "ShardedSequence":
+        """Sequence ``sid`` of ``family`` (created on its workers; a fork of ``parent`` when given)."""
+        self = cls.__new__(cls)
+        self._attach(family, validator, sid, parent, own=False)
+        return self
+
+    # -- state ----------------------------------------------------------------------------------------------
+    @property
+    def config(self):
+        """The `kvcache.CacheConfig` of the whole (unsharded) cache, except its pool size."""
+        return self._validator.config
+
+    @property
+    def num_q_heads(self) -> int:
+        return self._validator.decoder.num_q_heads
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence (the absolute position of the next token)."""
+        return self._family.lengths[self._sid]
+
+    def kv(self, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Dense copies ``K [length, num_kv_heads, head_dim]``, ``V [length, num_kv_heads, head_dim_v]`` gathered
+        from the workers, in the storage dtype."""
+        self.require_live()
+        layer = self._validator.check_layer(layer)
+        calls, axis = self._family.layout.kv_parts(self._family.lengths, self._sid)
+        results = self._family.cluster.call_all({w: call + (layer,) for w, call in calls.items()})
+        if not results:
+            cfg = self.config
+            return (np.empty((0, cfg.num_kv_heads, cfg.head_dim), cfg.dtype),
+                    np.empty((0, cfg.num_kv_heads, cfg.head_dim_v), cfg.dtype))
+        parts = [results[w] for w in sorted(results)]
+        return tuple(np.concatenate([p[i] for p in parts], axis=axis) for i in range(2))
+
+    # -- calls ----------------------------------------------------------------------------------------------
+    def step(self, q, k, v) -> np.ndarray:
+        """`decode.Decoder.step`: ``q [num_q_heads, head_dim]``, ``k [num_kv_heads, head_dim]``,
+        ``v [num_kv_heads, head_dim_v]`` -> ``[num_q_heads, head_dim_v]``."""
+        self.require_live()
+        self._validator.step(q, k, v)
+        tx = ShardedTransaction([self], 1, checked=True)
+        out = tx.run("step", 0, q, k, v)
+        tx.commit()
+        return out
+
+    def extend(self, q, k, v) -> np.ndarray:
+        """`decode.Decoder.extend`: T tokens, query i at position ``length + i`` -> ``[T, num_q_heads, head_dim_v]``."""
+        self.require_live()
+        self._validator.single_layer("extend")
+        with self.transaction(self._validator.num_tokens(k)) as tx:
+            return tx.extend(0, q, k, v)
+
+    def append(self, k, v) -> None:
+        """`decode.Decoder.append`: T tokens of K/V with no query."""
+        self.require_live()
+        self._validator.single_layer("append")
+        with self.transaction(self._validator.num_tokens(k)) as tx:
+            tx.append(0, k, v)
+
+    def transaction(self, num_tokens: int = 1) -> "ShardedTransaction":
+        """`decode.Decoder.transaction`: write and attend layer by layer; every worker commits at the end, or
+        every worker rolls back."""
+        self.require_live()
+        return ShardedTransaction([self], check_int("num_tokens", num_tokens))
+
+    def truncate(self, n: int) -> None:
+        """`decode.Decoder.truncate`: keep positions ``[0, n)`` on every worker."""
+        self.require_live()
+        n = check_int("n", n, maximum=self.length)
+        family = self._family
+        calls = family.layout.truncations(family.lengths, self._sid, n)
+        results, errors, lost = family.cluster.gather(calls)
+        if errors and not lost:                     # refused by every worker alike (a sliding-window limit)
+            raise_first(family.cluster, errors, {})
+        for w in calls:
+            if w not in errors:
+                family.cluster.log(w, calls[w])
+        family.lengths[self._sid] = n
+        raise_first(family.cluster, errors, lost, committed=True)
+
+    def fork(self) -> "ShardedSequence":
+        """A new sharded sequence sharing this one's pages on every worker (copy-on-write)."""
+        self.require_live()
+        validator = Validator(**self._family.settings)       # its own scratch pool: forks' transactions overlap
+        child = self._family.new_sid()
+        self._family.layout.place_fork(self._sid, child)
+        return type(self).member(self._family, validator, child, self._sid)
+
+    def free(self) -> None:
+        """Give this sequence's pages back on every worker; the decoder is unusable afterwards."""
+        self.require_live()
+        family = self._family
+        family.broadcast({w: ("free", self._sid) for w in family.layout.holders(self._sid)}, ("free", self._sid))
+        del family.lengths[self._sid]
+
+    def require_live(self) -> None:
+        """RuntimeError for a freed sequence; `WorkerLostError` when a worker holding it is lost."""
+        if self._sid not in self._family.lengths and not self._family.cluster.closed:
+            raise RuntimeError(f"decoder: expected a live sequence, got sequence {self._sid} freed")
+        self._family.cluster.require(self._family.layout.holders(self._sid))
+
+
+class ShardedDecoder(ShardedSequence, WorkerControls):
     """One sequence of a paged KV cache sharded over ``workers`` Ray workers (see the module docstring).
 
     Parameters
@@ -154,139 +303,11 @@ class ShardedDecoder(WorkerControls):
         family = Family((kind, configs), layout, settings, timeout)
         self._attach(family, validator, family.new_sid(), parent=None)
 
-    # -- construction ---------------------------------------------------------------------------------------
-    def _attach(self, family: Family, validator: Validator, sid: int, parent, own: bool = True) -> None:
-        """Create sequence ``sid`` on its workers (a fork of ``parent`` when given); ``own``: the family ends
-        (its workers are killed) if this fails."""
-        self._family, self._validator, self._sid = family, validator, sid
-        self.shard = family.layout.name
-        try:
-            if parent is None:
-                family.broadcast({w: ("new_sequence", sid) for w in family.layout.holders(sid)}, ("new_sequence", sid))
-            else:
-                self._fork_on_workers(parent)
-        except BaseException:
-            if own:
-                family.cluster.close()
-            raise
-        family.lengths[sid] = family.lengths.get(parent, 0)
-
-    def _fork_on_workers(self, parent: int) -> None:
-        cluster, sid = self._family.cluster, self._sid
-        calls = {w: ("fork", parent, sid) for w in self._family.layout.holders(parent)}
-        results, errors, lost = cluster.gather(calls)
-        if errors or lost:                                        # undo the fork where it was made
-            cluster.gather({w: ("free", sid) for w in results})
-            raise_first(cluster, errors, lost)
-        for w in calls:
-            cluster.log(w, ("fork", parent, sid))
-
-    @classmethod
-    def _member(cls, family: Family, validator: Validator, sid: int, parent) -> "ShardedDecoder":
-        self = cls.__new__(cls)
-        self._attach(family, validator, sid, parent, own=False)
-        return self
-
-    # -- state ----------------------------------------------------------------------------------------------
-    @property
-    def config(self):
-        """The `kvcache.CacheConfig` of the whole (unsharded) cache, except its pool size."""
-        return self._validator.config
-
-    @property
-    def num_q_heads(self) -> int:
-        return self._validator.decoder.num_q_heads
-
-    @property
-    def length(self) -> int:
-        """Tokens in the sequence (the absolute position of the next token)."""
-        return self._family.lengths[self._sid]
-
-    def kv(self, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Dense copies ``K [length, num_kv_heads, head_dim]``, ``V [length, num_kv_heads, head_dim_v]`` gathered
-        from the workers, in the storage dtype."""
-        self._require()
-        layer = self._validator.check_layer(layer)
-        calls, axis = self._family.layout.kv_parts(self._family.lengths, self._sid)
-        results = self._family.cluster.call_all({w: call + (layer,) for w, call in calls.items()})
-        if not results:
-            cfg = self.config
-            return (np.empty((0, cfg.num_kv_heads, cfg.head_dim), cfg.dtype),
-                    np.empty((0, cfg.num_kv_heads, cfg.head_dim_v), cfg.dtype))
-        parts = [results[w] for w in sorted(results)]
-        return tuple(np.concatenate([p[i] for p in parts], axis=axis) for i in range(2))
-
-    # -- calls ----------------------------------------------------------------------------------------------
-    def step(self, q, k, v) -> np.ndarray:
-        """`decode.Decoder.step`: ``q [num_q_heads, head_dim]``, ``k [num_kv_heads, head_dim]``,
-        ``v [num_kv_heads, head_dim_v]`` -> ``[num_q_heads, head_dim_v]``."""
-        self._require()
-        self._validator.step(q, k, v)
-        tx = ShardedTransaction([self], 1, checked=True)
-        out = tx.run("step", 0, q, k, v)
-        tx.commit()
-        return out
-
-    def extend(self, q, k, v) -> np.ndarray:
-        """`decode.Decoder.extend`: T tokens, query i at position ``length + i`` -> ``[T, num_q_heads, head_dim_v]``."""
-        self._require()
-        self._validator.single_layer("extend")
-        with self.transaction(self._validator.num_tokens(k)) as tx:
-            return tx.extend(0, q, k, v)
-
-    def append(self, k, v) -> None:
-        """`decode.Decoder.append`: T tokens of K/V with no query."""
-        self._require()
-        self._validator.single_layer("append")
-        with self.transaction(self._validator.num_tokens(k)) as tx:
-            tx.append(0, k, v)
-
-    def transaction(self, num_tokens: int = 1) -> "ShardedTransaction":
-        """`decode.Decoder.transaction`: write and attend layer by layer; every worker commits at the end, or
-        every worker rolls back."""
-        self._require()
-        return ShardedTransaction([self], check_int("num_tokens", num_tokens))
-
-    def truncate(self, n: int) -> None:
-        """`decode.Decoder.truncate`: keep positions ``[0, n)`` on every worker."""
-        self._require()
-        n = check_int("n", n, maximum=self.length)
-        family = self._family
-        calls = family.layout.truncations(family.lengths, self._sid, n)
-        results, errors, lost = family.cluster.gather(calls)
-        if errors and not lost:                     # refused by every worker alike (a sliding-window limit)
-            raise_first(family.cluster, errors, {})
-        for w in calls:
-            if w not in errors:
-                family.cluster.log(w, calls[w])
-        family.lengths[self._sid] = n
-        raise_first(family.cluster, errors, lost, committed=True)
-
-    def fork(self) -> "ShardedDecoder":
-        """A new sharded sequence sharing this one's pages on every worker (copy-on-write)."""
-        self._require()
-        validator = Validator(**self._family.settings)       # its own scratch pool: forks' transactions overlap
-        child = self._family.new_sid()
-        self._family.layout.place_fork(self._sid, child)
-        return type(self)._member(self._family, validator, child, self._sid)
-
-    def free(self) -> None:
-        """Give this sequence's pages back on every worker; the decoder is unusable afterwards."""
-        self._require()
-        family = self._family
-        family.broadcast({w: ("free", self._sid) for w in family.layout.holders(self._sid)}, ("free", self._sid))
-        del family.lengths[self._sid]
-
     # -- workers (the rest: WorkerControls) ---------------------------------------------------------------
     def checkpoint(self, directory) -> list[str]:
-        self._require()
+        self.require_live()
         return super().checkpoint(directory)
     checkpoint.__doc__ = WorkerControls.checkpoint.__doc__
-
-    def _require(self) -> None:
-        if self._sid not in self._family.lengths and not self._family.cluster.closed:
-            raise RuntimeError(f"decoder: expected a live sequence, got sequence {self._sid} freed")
-        self._family.cluster.require(self._family.layout.holders(self._sid))
 
 
 class ShardedTransaction:
@@ -296,8 +317,8 @@ class ShardedTransaction:
     def __init__(self, members: list, num_tokens: int, *, checked: bool = False):
         first = members[0]
         self.members, self.num_tokens = members, num_tokens
-        self.family, self.validator = first._family, first._validator
-        self.sids = [m._sid for m in members]
+        self.family, self.validator = first.family, first.validator
+        self.sids = [m.sid for m in members]
         self.start = self.family.lengths[self.sids[0]] if len(members) == 1 else None
         if len(members) == 1 and self.family.layout.name == "context":
             _check_context_capacity(self.family.layout, self.start, num_tokens, first.config)

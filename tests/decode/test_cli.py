@@ -1,4 +1,4 @@
-"""The console command `kvengine` (run as `python -m decode.cli`) end to end."""
+"""The console command `kvengine` (run as `python -m decode.app.cli`) end to end."""
 import csv
 import subprocess
 import sys
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "decode.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "decode.app.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from decode import Decoder, batch_step, batch_transaction
 from kvcache import CacheFullError, KVCache
-from kvcache.jit_store import scatter_kv, scatter_kv_f16, store_token_f16
+from kvcache.jit_store import FLOAT16, scatter_kv, scatter_kv_bits, store_token_bits
 
 pytestmark = pytest.mark.kernel          # jitted paths: rerun JIT-free and bounds-checked by CI
 
@@ -156,12 +156,13 @@ def test_float16_stores_are_numpys_cast_bit_for_bit():
     nan = np.isnan(x.view(np.float32))
     k16, v16 = np.zeros((B, 2, 3, 8), np.uint16), np.zeros((B, 2, 3, 8), np.uint16)
     old = np.empty_like(ref), np.empty_like(ref)
-    scatter_kv_f16(k16, v16, np.arange(B, dtype=np.int64), np.full(B, 2, dtype=np.int64), x, x[::-1].copy(), *old)
+    scatter_kv_bits(k16, v16, np.arange(B, dtype=np.int64), np.full(B, 2, dtype=np.int64), x, x[::-1].copy(), *old,
+                    FLOAT16)
     assert (k16[:, :, 2][~nan] == ref[~nan]).all() and (v16[:, :, 2][~nan[::-1]] == ref[::-1][~nan[::-1]]).all()
     assert np.isnan(k16[:, :, 2][nan].view(np.float16)).all() and not k16[:, :, :2].any() and not old[0].any()
     layers = np.zeros((2, 3, 2, 4, 8), np.uint16), np.zeros((2, 3, 2, 4, 8), np.uint16)
     for b in range(0, B, max(1, B // 50)):                       # the one-token store, on a sample of rows
-        store_token_f16(*layers, 1, 2, 3, x[b], x[b])
+        store_token_bits(*layers, 1, 2, 3, x[b], x[b], FLOAT16)
         assert (layers[0][1, 2, :, 3][~nan[b]] == ref[b][~nan[b]]).all()
     assert not layers[0][0].any() and not layers[0][1, :2].any() and not layers[0][1, 2, :, :3].any()
 
@@ -180,8 +181,8 @@ def test_jitted_scatter_is_numpys_fancy_assignment(pool_dtype, input_dtype):
     old_k, old_v = k_pool[pages, :, offsets], v_pool[pages, :, offsets]
     if pool_dtype == "float16":
         got_old = np.empty((3, 2, 8), np.uint16), np.empty((3, 2, 5), np.uint16)
-        scatter_kv_f16(k_pool.view(np.uint16), v_pool.view(np.uint16), pages, offsets, k.view(np.uint32),
-                       v.view(np.uint32), *got_old)
+        scatter_kv_bits(k_pool.view(np.uint16), v_pool.view(np.uint16), pages, offsets, k.view(np.uint32),
+                        v.view(np.uint32), *got_old, FLOAT16)
         got_old = tuple(x.view(np.float16) for x in got_old)
     else:
         got_old = np.empty((3, 2, 8), pool_dtype), np.empty((3, 2, 5), pool_dtype)

@@ -3,7 +3,7 @@ speculative == greedy, naive == engine, rollback leaves the cache unchanged."""
 import numpy as np
 import pytest
 
-from decode import cli, demo, tiny_model
+from decode.app import cli, demo, tiny_model
 
 
 @pytest.fixture(scope="module")

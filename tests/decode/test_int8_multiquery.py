@@ -3,7 +3,7 @@ widened from int8 + float16 group scales into the tile's float32 block) against 
 the *dequantized* K/V: |out - oracle| <= 1e-6 + 3 * err_numpy, err_numpy the max error of the same plain NumPy
 computation in float32 on the same dequantized values (the float32 budget of the other storage dtypes).
 
-Runs of >= `decode.multiquery.MIN_RUN` queries go to it (the float path's threshold), the other queries to the
+Runs of >= `decode.attention_plan.MIN_RUN` queries go to it (the float path's threshold), the other queries to the
 int8 single-query kernel. Marked `kernel`: CI reruns these with NUMBA_DISABLE_JIT=1 and NUMBA_BOUNDSCHECK=1 on
 --reduced-grid.
 """

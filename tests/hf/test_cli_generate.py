@@ -1,7 +1,7 @@
 """`kvengine generate`: both ways on a tiny model, identical tokens at equal precision, the paged path ran."""
 import json
 
-from decode import cli
+from decode.app import cli
 
 
 def test_generate_json(capsys):

@@ -2,14 +2,14 @@
 
 The dense model keeps, per sequence, Python lists of numpy rows (one ``[num_kv_heads, head_dim]`` row per
 token and layer), already cast to the storage dtype (int8: quantized and dequantized to float32 by the rule of
-`kvcache.quant`, one row at a time), plus the first position still held (sliding window).
+`kvcache.quant`, one row at a time; bfloat16: rounded by `kvcache.bf16` and widened to float32), plus the first position still held (sliding window).
 It knows nothing of pages: comparing `KVCache.gather` with it checks the paging bit for bit.
 """
 import numpy as np
 import pytest
 
 import kvcache
-from kvcache import quant
+from kvcache import bf16, quant
 
 
 def make_cache(*, num_layers=1, num_kv_heads=2, head_dim=3, head_dim_v=None, page_size=4, num_pages=8,
@@ -51,7 +51,9 @@ class DenseModel:
 
     def _stored(self, rows: np.ndarray) -> np.ndarray:
         """What the cache gives back for ``rows [T, H, D]``: cast to the storage dtype, or for int8 each
-        ``[H, D]`` row quantized on its own and dequantized to float32."""
+        ``[H, D]`` row quantized on its own and dequantized to float32; bfloat16: rounded, widened to float32."""
+        if self.cfg.bfloat16:
+            return bf16.to_float32(bf16.to_bits(rows))
         if self.cfg.quantized:
             return np.array([quant.dequantize(*quant.quantize(row)) for row in rows], dtype=np.float32)
         return rows.astype(self.cfg.dtype)
@@ -82,7 +84,7 @@ class DenseModel:
         cfg = self.cfg
         first = self.first[seq]
         k_rows, v_rows = self.k[seq][layer][first:], self.v[seq][layer][first:]
-        dtype = np.float32 if cfg.quantized else cfg.dtype
+        dtype = np.float32 if cfg.quantized or cfg.bfloat16 else cfg.dtype          # what gather gives back
         k = np.array(k_rows, dtype=dtype).reshape(len(k_rows), cfg.num_kv_heads, cfg.head_dim)
         v = np.array(v_rows, dtype=dtype).reshape(len(v_rows), cfg.num_kv_heads, cfg.head_dim_v)
         return k, v

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import kvcache
-from kvcache import CacheConfig, CacheFullError, FaultInjector, InjectedFault, PageAllocator
+from kvcache import CacheConfig, CacheFullError
+from kvcache.testing import FaultInjector, InjectedFault, PageAllocator, set_free_list
 
 
 # -- CacheConfig ---------------------------------------------------------------------------------------------
@@ -67,10 +68,10 @@ def test_numpy_integers_accepted():
     assert all(type(x) is int for x in (cfg.num_kv_heads, cfg.head_dim, cfg.num_pages))
 
 
-@pytest.mark.parametrize("dtype", ["int32", np.uint8, "int16", bool, "complex64", "bfloat16", object, "float128x",
-                                   None])
+@pytest.mark.parametrize("dtype", ["int32", np.uint8, np.uint16, "int16", bool, "complex64", "bf16", "BFloat16",
+                                   object, "float128x", None])
 def test_non_float_storage_dtypes_rejected(dtype):
-    with pytest.raises(TypeError, match=r"^dtype: expected one of float16, float32, float64, int8, got "):
+    with pytest.raises(TypeError, match=r"^dtype: expected one of float16, float32, float64, int8, bfloat16, got "):
         CacheConfig.build(num_kv_heads=1, head_dim=1, num_pages=1, dtype=dtype)
 
 
@@ -78,7 +79,17 @@ def test_non_float_storage_dtypes_rejected(dtype):
                                              (float, np.float64), ("f8", np.float64), ("int8", np.int8),
                                              (np.int8, np.int8)])
 def test_storage_dtypes_accepted(dtype, expected):
-    assert CacheConfig.build(num_kv_heads=1, head_dim=1, num_pages=1, dtype=dtype).dtype == np.dtype(expected)
+    cfg = CacheConfig.build(num_kv_heads=1, head_dim=1, num_pages=1, dtype=dtype)
+    assert cfg.dtype == np.dtype(expected) and cfg.storage == np.dtype(expected).name and not cfg.bfloat16
+
+
+def test_bfloat16_storage_is_uint16_bits_named_bfloat16():
+    cfg = CacheConfig.build(num_kv_heads=2, head_dim=3, head_dim_v=5, num_pages=4, dtype="bfloat16")
+    assert cfg.storage == "bfloat16" and cfg.bfloat16 and cfg.dtype == np.uint16 and not cfg.quantized
+    assert cfg.bytes_per_token == 2 * (3 + 5) * 2 and cfg.scale_bytes_per_token == 0
+    assert cfg != CacheConfig.build(num_kv_heads=2, head_dim=3, head_dim_v=5, num_pages=4, dtype="float16")
+    fields = {name: value for name, value in dataclasses.asdict(cfg).items() if name != "storage"}
+    assert CacheConfig.build(**{**fields, "dtype": cfg.storage}) == cfg       # the name rebuilds it
 
 
 def test_config_is_frozen():
@@ -197,11 +208,10 @@ def test_allocator_check_invariants_detects_corruption():
         alloc.check_invariants([[0, 1], [0, 1]])
     with pytest.raises(AssertionError, match=r"pages both free and mapped: \[2\]"):
         alloc.check_invariants([[0, 1], [0], [2]])
-    alloc._free.append(alloc._free[-1])
+    set_free_list(alloc, alloc.free_list() + alloc.free_list()[-1:])
     with pytest.raises(AssertionError, match="duplicates in the free list"):
         alloc.check_invariants([[0, 1], [0]])
-    alloc._free.pop()
-    alloc._free.pop()                                 # a page neither free nor referenced: leaked
+    set_free_list(alloc, alloc.free_list()[:-2])     # the duplicate gone, and a page neither free nor referenced: leaked
     with pytest.raises(AssertionError, match=r"free 1 \+ parked 0 \+ in use 2 != total 4"):
         alloc.check_invariants([[0, 1], [0]])
     alloc = PageAllocator(2)

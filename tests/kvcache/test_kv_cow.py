@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from kvcache import CacheFullError
+from kvcache import CacheFullError, testing
 from kv_helpers import DenseModel, assert_fails_unchanged, assert_matches_model, make_cache, random_kv
 
 
@@ -55,7 +55,7 @@ def test_copy_carries_every_layer_and_both_pools():
     model.fork(a, b)
     append(cache, model, b, 1, rng)
     pa, pb = cache.page_table(a)[0], cache.page_table(b)[0]
-    for pool in (cache._k, cache._v):
+    for pool in testing.pool_arrays(cache):
         np.testing.assert_array_equal(pool[:, pb, :, :3], pool[:, pa, :, :3])   # the shared prefix, all layers
     assert_matches_model(cache, model)
 

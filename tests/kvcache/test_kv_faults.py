@@ -9,7 +9,7 @@ succeed and leave the cache byte-identical to the clean run.
 import numpy as np
 import pytest
 
-from kvcache import FaultInjector, InjectedFault
+from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
 from kv_helpers import make_cache, random_kv
 

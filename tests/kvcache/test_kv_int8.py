@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 import kvcache
-from kvcache import FaultInjector, InjectedFault, ScaleOverflowError, quant
+from kvcache import ScaleOverflowError, quant
+from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
 from kv_helpers import assert_bitwise_equal, assert_fails_unchanged, make_cache
 from test_kv_faults import enumerate_faults

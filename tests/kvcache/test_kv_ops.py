@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kvcache
-from kvcache import CacheFullError
+from kvcache import CacheFullError, testing
 from kv_helpers import DenseModel, assert_bitwise_equal, assert_fails_unchanged, assert_matches_model, \
     make_cache, random_kv
 
@@ -89,7 +89,7 @@ def test_gather_layer_checked(rng):
 
 
 # -- append ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bfloat16"])
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_append_multi_layer_matches_model(rng, dtype, num_layers):
     cache = make_cache(num_layers=num_layers, head_dim_v=5, dtype=dtype, page_size=4, num_pages=8)
@@ -176,7 +176,7 @@ def test_append_non_float_dtypes_rejected(rng, bad, which):
                            rf"^{which}: expected a real floating-point array, got dtype {dtype}$")
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bfloat16"])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("which", ["k", "v"])
 def test_append_non_finite_rejected(rng, dtype, value, which):
@@ -291,7 +291,7 @@ def test_transaction_reserves_then_publishes(rng):
         assert cache.num_free_pages == 8 - 2 - 3             # a: 3+2 -> 2 pages; b: 6+3 -> 3 pages
         assert len(tx.pages(a)) == 2 and len(tx.pages(b)) == 3
         assert cache.length(a) == 3 and cache.length(b) == 6  # not published yet
-        assert tx.start == {a: 3, b: 6}
+        assert tx.positions.tolist() == [3, 6] and tx.seqs == [a, b]
         for layer in range(2):
             tx.write(layer, a, ka[layer], va[layer])
             tx.write(layer, b, kb[layer], vb[layer])
@@ -606,10 +606,11 @@ def test_check_invariants_detects_corruption(rng):
         cache, model, [a] = filled(rng, (9,), page_size=4)
         b = cache.fork(a)
         cache.check_invariants()
-        return cache, cache._sequences[a], cache._sequences[b]
+        return cache, testing.sequence_record(cache, a), testing.sequence_record(cache, b)
 
     cache, sa, sb = fresh()
-    cache.allocator._refs[int(sa.table[0])] += 1
+    page = int(sa.table[0])
+    testing.set_ref_count(testing.allocator(cache), page, cache.allocator.ref_count(page) + 1)
     with pytest.raises(AssertionError, match="ref count 3 but held by 2"):
         cache.check_invariants()
     cache, sa, sb = fresh()
@@ -625,7 +626,8 @@ def test_check_invariants_detects_corruption(rng):
     with pytest.raises(AssertionError):
         cache.check_invariants()
     cache, sa, sb = fresh()
-    cache.allocator._free.append(int(sa.table[1]))
+    alloc = testing.allocator(cache)
+    testing.set_free_list(alloc, alloc.free_list() + (int(sa.table[1]),))
     with pytest.raises(AssertionError, match="both free and mapped"):
         cache.check_invariants()
 
@@ -634,9 +636,9 @@ def test_fingerprint_sees_bytes_and_metadata(rng):
     cache, model, [a] = filled(rng, (6,), page_size=4)
     fp = cache.fingerprint()
     assert cache.fingerprint() == fp and len(fp) == 64
-    cache._k[0, 7, 0, 0, 0] = 1.0                         # a byte in a free page
+    testing.pool_arrays(cache)[0][0, 7, 0, 0, 0] = 1.0                         # a byte in a free page
     assert cache.fingerprint() != fp
-    cache._k[0, 7, 0, 0, 0] = 0.0
+    testing.pool_arrays(cache)[0][0, 7, 0, 0, 0] = 0.0
     assert cache.fingerprint() == fp
     cache.truncate(a, 5)                                  # metadata only, same pages
     assert cache.fingerprint() != fp

@@ -256,7 +256,7 @@ def test_docs_example_runs():
 
 
 def test_memory_accounting_counts_cached_pages_apart(rng):
-    from kvcache.memory import cache_memory
+    from kvcache.accounting import cache_memory
     cache = make(num_pages=8)
     a = filled(cache, np.arange(10), rng)
     filled(cache, np.arange(4) + 50, rng)

@@ -11,8 +11,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import kvcache
-from kvcache import FaultInjector, InjectedFault
-from kvcache import (SnapshotChecksumError, SnapshotConfigError, SnapshotCorruptError, SnapshotFormatError,
+from kvcache.testing import FaultInjector, InjectedFault
+from kvcache.errors import (SnapshotChecksumError, SnapshotConfigError, SnapshotCorruptError, SnapshotFormatError,
                      SnapshotInconsistentError, SnapshotRangeError, SnapshotTruncatedError, SnapshotVersionError)
 from kv_helpers import random_kv
 
@@ -50,7 +50,7 @@ def path(tmp_path):
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-@pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int8", "bfloat16"])
 def test_round_trip_same_fingerprint_kv_and_next_operations(path, prefix_caching, dtype):
     cache, rng = busy_cache(prefix_caching, dtype)
     size = cache.save(path)

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from decode import Decoder, batch_step, batch_transaction
-from kvcache import CacheFullError, FaultInjector, InjectedFault, KVCache
+from kvcache import CacheFullError, KVCache, testing
+from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
 from reference.dense import decode_reference
 
@@ -112,17 +113,18 @@ class Guards:
         cfg = cache.config
         size = cfg.dtype.itemsize
         self.bits = UINT[size](SENTINEL_BITS[size])
-        self.k = cache._k.view(UINT[size])           # [layers, num_pages, heads, page_size, dim]: bit patterns
-        self.v = cache._v.view(UINT[size])
+        k, v = testing.pool_arrays(cache)            # [layers, num_pages, heads, page_size, dim]
+        self.k, self.v = k.view(UINT[size]), v.view(UINT[size])          # their bit patterns
         self.before = None
         self.taken: set[int] = set()                   # pages allocated during the current operation
-        allocate = cache.allocator.allocate
+        alloc = testing.allocator(cache)
+        allocate = alloc.allocate
 
         def recording(count, *args, **kwargs):
             pages = allocate(count, *args, **kwargs)
             self.taken.update(pages)
             return pages
-        cache.allocator.allocate = recording
+        alloc.allocate = recording
         one = np.zeros((cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim))
         one_v = np.zeros((cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim_v))
         if cfg.num_pages < 3 or cache.num_free_pages != cfg.num_pages:
@@ -150,10 +152,11 @@ class Guards:
         """bool [num_pages, page_size]: slots no sequence holds (guard pages count as unused: all sentinel)."""
         cache, cfg = self.cache, self.cache.config
         fill = np.zeros(cfg.num_pages, dtype=np.int64)
-        with cache._lock:
-            for seq, s in cache._sequences.items():
+        with testing.lock(cache):
+            for seq in cache.sequences:
                 if seq in (self.low, self.high):
                     continue
+                s = testing.sequence_record(cache, seq)          # the reserved pages of an open transaction too
                 for logical in range(s.first_live_page, s.num_logical_pages):
                     page = int(s.table[logical])
                     fill[page] = max(fill[page], min(cfg.page_size, s.length - logical * cfg.page_size))

@@ -446,11 +446,15 @@ CACHE_LEVEL = [
 ]
 
 
-def _memory(call):
+def _memory(call, module="kvcache.accounting"):
     def make(w):
-        from kvcache import memory
-        return lambda: call(memory)
+        import importlib
+        return lambda: call(importlib.import_module(module))
     return make
+
+
+def _report(call):
+    return _memory(call, "decode.app.measure_memory")
 
 
 MEMORY = [
@@ -462,12 +466,12 @@ MEMORY = [
      r"^tokens: expected an integer >= 0, got -1$"),
     ("memory.formula-bool", _memory(lambda m: m.kv_bytes_formula(1, 1, 1, 1, True, 2)), TypeError,
      r"^head_dim: expected an integer, got bool True$"),
-    ("memory.report-kv-heads", _memory(lambda m: m.memory_report(kv_heads=3, measure=False)), ValueError,
+    ("memory.report-kv-heads", _report(lambda m: m.memory_report(kv_heads=3, measure=False)), ValueError,
      r"^kv_heads: expected a divisor of num_q_heads=32, got 3$"),
-    ("memory.report-no-kv-heads", _memory(lambda m: m.memory_report(kv_heads=[], measure=False)), ValueError,
+    ("memory.report-no-kv-heads", _report(lambda m: m.memory_report(kv_heads=[], measure=False)), ValueError,
      r"^kv_heads: expected at least one KV-head count, got none$"),
-    ("memory.report-dtype", _memory(lambda m: m.memory_report(dtype="int16", measure=False)), TypeError,
-     r"^dtype: expected one of float16, float32, float64, int8, got 'int16'$"),
+    ("memory.report-dtype", _report(lambda m: m.memory_report(dtype="int16", measure=False)), TypeError,
+     r"^dtype: expected one of float16, float32, float64, int8, bfloat16, got 'int16'$"),
 ]
 
 
@@ -653,9 +657,9 @@ def test_constructor_errors():
              (dict(num_kv_heads=0), ValueError, "num_kv_heads: expected an integer >= 1, got 0"),
              (dict(head_dim=True), TypeError, "head_dim: expected an integer, got bool True"),
              (dict(head_dim_v=0), ValueError, "head_dim_v: expected an integer >= 1, got 0"),
-             (dict(dtype="int16"), TypeError, "dtype: expected one of float16, float32, float64, int8, got 'int16'"),
-             (dict(dtype=None), TypeError, "dtype: expected one of float16, float32, float64, int8, got None"),
-             (dict(dtype=np.complex64), TypeError, "dtype: expected one of float16, float32, float64, int8, got "),
+             (dict(dtype="int16"), TypeError, "dtype: expected one of float16, float32, float64, int8, bfloat16, got 'int16'"),
+             (dict(dtype=None), TypeError, "dtype: expected one of float16, float32, float64, int8, bfloat16, got None"),
+             (dict(dtype=np.complex64), TypeError, "dtype: expected one of float16, float32, float64, int8, bfloat16, got "),
              (dict(page_size=0), ValueError, "page_size: expected an integer >= 1, got 0"),
              (dict(page_size=1.0), TypeError, "page_size: expected an integer, got float 1.0"),
              (dict(max_tokens=0), ValueError, "max_tokens: expected an integer >= 1, got 0"),

@@ -9,7 +9,7 @@ import pytest
 from decode.attention_plan import AttentionPlan
 import decode.window as window_module
 import kvcache.allocator as allocator_module
-import kvcache.token as token_module
+import kvcache.transaction as transaction_module
 from .driver import Divergence, Settings, run
 
 pytestmark = pytest.mark.kernel
@@ -50,19 +50,19 @@ def plant(monkeypatch, bug):
             return freed
         monkeypatch.setattr(allocator_module.PageAllocator, "decref", decref)
     elif bug == "failed call keeps its bytes":
-        real = token_module.TokenWrite.rollback
+        real = transaction_module.TokenWrite.rollback
 
         def rollback(self):
             self._saved = []
             real(self)
-        monkeypatch.setattr(token_module.TokenWrite, "rollback", rollback)
+        monkeypatch.setattr(transaction_module.TokenWrite, "rollback", rollback)
     elif bug == "length published before every layer was written":
-        real = token_module.TokenWrite.commit
+        real = transaction_module.TokenWrite.commit
 
         def commit(self):
-            self._written = (1 << self.cache.config.num_layers) - 1
+            self._written = (1 << self._num_layers) - 1
             real(self)
-        monkeypatch.setattr(token_module.TokenWrite, "commit", commit)
+        monkeypatch.setattr(transaction_module.TokenWrite, "commit", commit)
     elif bug == "window gives back a page still read":
         def release(dec):
             if dec.window and dec.length > dec.window:

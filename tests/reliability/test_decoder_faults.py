@@ -15,7 +15,8 @@ import pytest
 
 from decode.attention_plan import AttentionPlan
 from decode import Decoder, batch_extend, batch_step, batch_transaction
-from kvcache import CacheFullError, FaultInjector, InjectedFault, KVCache
+from kvcache import CacheFullError, KVCache
+from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
 
 pytestmark = pytest.mark.kernel

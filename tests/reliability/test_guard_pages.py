@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvcache import KVCache
+from kvcache import KVCache, testing
 
 from .driver import SENTINEL_BITS, Divergence, Guards, Settings, run
 
@@ -21,7 +21,7 @@ def test_guard_layout(dtype):
     guards = Guards(cache)
     assert cache.page_table(guards.low).tolist() == [0] and cache.page_table(guards.high).tolist() == [5]
     assert cache.num_free_pages == 4
-    for pool in (cache._k, cache._v):
+    for pool in testing.pool_arrays(cache):
         assert np.isnan(pool[:, [0, -1]]).all()
         assert (pool[:, [0, -1]].view(guards.bits.dtype) == SENTINEL_BITS[cache.config.dtype.itemsize]).all()
     seq = cache.create_sequence()
@@ -30,7 +30,8 @@ def test_guard_layout(dtype):
     unused = guards.unused()
     assert unused[0].all() and unused[5].all() and unused[3].all() and unused[4].all()
     assert not unused[1].any() and unused[2].tolist() == [False, True, True, True]
-    assert np.isnan(cache._k[:, 2, :, 1:]).all() and (cache._k[:, 2, :, 0] == 1).all()
+    k = testing.pool_arrays(cache)[0]
+    assert np.isnan(k[:, 2, :, 1:]).all() and (k[:, 2, :, 0] == 1).all()
     guards.check("painted")                                             # nothing changed: passes
 
 
@@ -42,7 +43,7 @@ def test_a_stray_write_is_caught(where):
     cache.append(seq, np.ones((3, 1, 2)), np.ones((3, 1, 2)))
     guards.paint()
     page, slot = {"unused slot": (1, 3), "free page": (4, 0), "low guard": (0, 2), "high guard": (5, 1)}[where]
-    cache._v[0, page, 0, slot, 1] = 0.0
+    testing.pool_arrays(cache)[1][0, page, 0, slot, 1] = 0.0
     with pytest.raises(Divergence, match="overwritten"):
         guards.check("a stray write")
 

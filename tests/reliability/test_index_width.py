@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from decode import Decoder
-from kvcache import CacheConfig, KVCache
+from kvcache import CacheConfig, KVCache, testing
 from reference.dense import decode_reference
 
 
@@ -81,12 +81,13 @@ def _big_pool():
 def test_real_pool_addresses_match_element_offset_past_2_to_the_32_bytes():
     cache = _big_pool()
     cfg = cache.config
-    base_k, base_v = cache._k.ctypes.data, cache._v.ctypes.data
+    k, v = testing.pool_arrays(cache)
+    base_k, base_v = k.ctypes.data, v.ctypes.data
     for index in [(0, cfg.num_pages - 1, 1, 3, 2047), (0, cfg.num_pages - 1, 0, 0, 0), (0, 17, 1, 2, 5)]:
-        assert cache._k[index[:-1]][index[-1]:].ctypes.data - base_k == cfg.element_offset(*index) * 2
+        assert k[index[:-1]][index[-1]:].ctypes.data - base_k == cfg.element_offset(*index) * 2
     assert cfg.element_offset(0, cfg.num_pages - 1, 0, 0, 0) * 2 > 2 ** 32
     last_v = (0, cfg.num_pages - 1, 1, 3, 7)
-    assert cache._v[last_v[:-1]][7:].ctypes.data - base_v == cfg.element_offset(*last_v, v=True) * 2
+    assert v[last_v[:-1]][7:].ctypes.data - base_v == cfg.element_offset(*last_v, v=True) * 2
 
 
 @pytest.mark.kernel

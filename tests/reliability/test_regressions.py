@@ -150,7 +150,7 @@ def test_token_write_after_rollback_cannot_touch_a_reused_page():
     a, b = cache.create_sequence(), cache.create_sequence()
     cache.append(a, *(rng.standard_normal((4, 2, 3)) for _ in range(2)))
     tw = cache.begin_token(a)                           # position 4: a fresh page
-    page = tw.page
+    page = int(tw.slot_pages[0])
     tw.rollback()
     cache.append(b, *(rng.standard_normal((1, 2, 3)) for _ in range(2)))
     assert cache.page_table(b).tolist() == [page]
@@ -262,7 +262,7 @@ def test_window_release_failure_does_not_fail_the_committed_step():
     so the caller saw a failed step although its token was in the cache (a retry would append it twice).
     Now the release is best effort after the commit: the step returns its output and the next step gives the
     pages back."""
-    from kvcache import FaultInjector, InjectedFault
+    from kvcache.testing import FaultInjector, InjectedFault
     from kvcache.faults import no_fault
 
     def build():

@@ -3,10 +3,10 @@
 `TinyTransformer`: token embedding -> ``layers`` x [RMSNorm -> GQA attention with RoPE at absolute positions ->
 residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head. It is a model, not engine code: the engine
 only sees its q/k/v through the ``attend(layer, q, k, v)`` callback of `TinyTransformer.forward`. Used by
-`kvengine demo` (`decode.demo`), its tests, and the prefix-caching chat benchmark.
+`kvengine demo` (`decode.app.demo`), its tests, and the prefix-caching chat benchmark.
 
 ``cfg`` is any object with the model fields ``vocab, d_model, layers, num_q_heads, num_kv_heads, head_dim, d_ff,
-seed`` (`decode.demo.DemoConfig` has them).
+seed`` (`decode.app.demo.DemoConfig` has them).
 
 The three ways of attending: `engine_forward` (a `Decoder`, one transaction per call), `naive_forward` (the
 document's ``np.concatenate`` cache with float64 NumPy attention) and `reference_logits` (no cache at all: one
@@ -22,7 +22,7 @@ import numpy as np
 from reference.dense import attention_context
 from reference.naive_cache import NaiveKVCache
 
-from .decoder import Decoder
+from decode import Decoder
 
 LOGIT_SCALE = 4.0      # standard deviation of the logits (the LM head's scale)
 BRANCH = 0.5           # each residual branch adds ~0.5 of the stream's rms

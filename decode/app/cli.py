@@ -1,4 +1,4 @@
-"""The console command ``kvengine``: audit, memory, demo, generate, bench.
+"""The console command ``kvengine``: audit, memory, demo, generate, bench, serve, make-model.
 
     kvengine audit  --out DIR     reproduce the source document's figures (reference lab) and run the engine
                                   on its 3-token example; last line ATTENTION_AUDIT_OK when all checks pass
@@ -7,6 +7,8 @@
     kvengine generate [--arch A]  a tiny random transformers model generating with DynamicCache + sdpa and with
                                   PagedCache + pagedkv: tokens/s, token agreement, logit difference (hf extra)
     kvengine bench [--quick]      the pytest-benchmark suite
+    kvengine serve [--model DIR]  OpenAI-compatible HTTP server (serve + hf extras; see `serve_cli`)
+    kvengine make-model DIR       write a small random-weight checkpoint with a trained tokenizer (hf extra)
 """
 import argparse
 import json
@@ -25,7 +27,7 @@ def engine_example_check(out_dir=None) -> tuple[bool, str]:
     from reference.example import example_qkv
     from reference.records import write_csv
 
-    from .decoder import Decoder
+    from decode import Decoder
 
     q, k, v = example_qkv()
     expected = attention_context(q, k, v)                                      # [3, 2] float64
@@ -64,7 +66,7 @@ def cmd_audit(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from kvcache import memory
+    from . import measure_memory as memory
 
     try:
         rows = [row for dtype in args.dtype
@@ -87,7 +89,7 @@ def cmd_demo(args) -> int:
 
 def cmd_generate(args) -> int:
     try:
-        from .hf import compare
+        from . import hf_compare as compare
     except ImportError as exc:                       # torch / transformers missing
         print(f"kvengine generate: needs the hf extra (pip install 'pagedkv[hf]'): {exc}", file=sys.stderr)
         return 2
@@ -95,7 +97,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "pytest", str(root / "benchmarks"), "--benchmark-only"]
     if args.quick:
         cmd.append("--quick")
@@ -119,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8, 1])
     p.add_argument("--tokens", type=int, default=10_000)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", nargs="+", default=["float16", "int8"], choices=["float16", "float32", "float64", "int8"],
+    p.add_argument("--dtype", nargs="+", default=["float16", "int8"], choices=["float16", "float32", "float64", "int8", "bfloat16"],
                    help="storage dtypes, one set of rows each (default: float16 and int8)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--page-size", type=int, default=16)
@@ -158,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small shapes only")
     p.add_argument("--json", default=None, help="save pytest-benchmark JSON here")
     p.set_defaults(func=cmd_bench)
+
+    from . import serve_cli
+    serve_cli.add_parsers(sub)
     return parser
 
 

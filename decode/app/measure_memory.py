@@ -1,27 +1,10 @@
-"""KV memory accounting: the formula, what a `KVCache` allocates and uses, and what the OS really commits.
+"""`kvengine memory`: resident memory of a `KVCache` measured beside the formula (a program: subprocesses, psutil,
+mincore; the accounting it reports is `kvcache.accounting`).
 
-    formula bytes = layers * batch * tokens * kv_heads * (head_dim + head_dim_v) * bytes_per_element
-                  = 2 * layers * batch * tokens * kv_heads * head_dim * bytes_per_element   (head_dim_v == head_dim)
-
-int8 storage (`kvcache.quant`) stores 1 byte per element plus a float16 scale per 32 values of each row:
-
-    scale bytes   = layers * batch * tokens * kv_heads * (ceil(head_dim / 32) + ceil(head_dim_v / 32)) * 2
-    formula bytes = the formula above with bytes_per_element = 1, plus the scale bytes  (6.25% at head_dim 128)
-
-The whole API (the console ``memory`` command calls these):
-
-- `kv_bytes_formula` -- the formula above (an int); `kv_scale_bytes_formula` -- the int8 scale bytes.
-- `cache_memory(cache)` -- accounting of one live cache (a dict of ints): formula bytes of the tokens it holds,
-  allocated pool bytes, bytes in used pages, tail-page waste, metadata estimate.
 - `memory_report(...)` -- one row (a JSON-friendly dict) per KV-head count: builds a cache of exactly enough
   pages for ``batch x tokens`` in a fresh subprocess and measures its resident memory (RSS) with psutil
   before and after the pages are touched.
 - `format_table(rows)` -- the rows as a plain text table.
-
-Shared pages (forks) are counted once: ``formula_bytes`` of `cache_memory` is over *distinct* stored tokens
-(a token slot of a page shared by several sequences counts once), so ``used = formula + tail waste`` holds
-exactly; ``logical_tokens`` / ``formula_bytes_logical`` give the per-sequence sum a cache without sharing
-would need.
 
 Only numpy, psutil (imported lazily, for measurements only), the standard library and kvcache are used.
 """
@@ -36,124 +19,17 @@ import sys
 
 import numpy as np
 
-from .cache import KVCache
+from kvcache import KVCache
+from kvcache.accounting import GIB, MIB, attention_kind, cache_memory, kv_bytes_formula, kv_scale_bytes_formula
+from kvcache.checks import check_int, check_storage_dtype, storage_array_dtype
 
-__all__ = ["GIB", "MIB", "kv_bytes_formula", "kv_scale_bytes_formula", "cache_memory", "memory_report",
-           "format_table", "attention_kind"]
+__all__ = ["memory_report", "format_table"]
 
-GIB = 1024 ** 3
-MIB = 1024 ** 2
 # memory kept free when a measurement allocates a pool: the measuring process, its copies and the OS
 MARGIN_BYTES = 1 * GIB
 MARGIN_FRACTION = 0.10
 # tokens per append while touching the pool in a measurement: the input arrays are about this many bytes
 FILL_CHUNK_BYTES = 16 * MIB
-
-
-def _int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
-    return int(value)
-
-
-def kv_bytes_formula(layers: int, batch: int, tokens: int, kv_heads: int, head_dim: int, bytes_per_element: int,
-                     head_dim_v: int | None = None) -> int:
-    """``layers * batch * tokens * kv_heads * (head_dim + head_dim_v) * bytes_per_element`` (``tokens`` may
-    be 0; ``head_dim_v`` defaults to ``head_dim``, giving the familiar ``2 * ...``)."""
-    layers, batch = _int("layers", layers), _int("batch", batch)
-    tokens, kv_heads = _int("tokens", tokens, minimum=0), _int("kv_heads", kv_heads)
-    head_dim = _int("head_dim", head_dim)
-    head_dim_v = head_dim if head_dim_v is None else _int("head_dim_v", head_dim_v)
-    bytes_per_element = _int("bytes_per_element", bytes_per_element)
-    return layers * batch * tokens * kv_heads * (head_dim + head_dim_v) * bytes_per_element
-
-
-def kv_scale_bytes_formula(layers: int, batch: int, tokens: int, kv_heads: int, head_dim: int,
-                           head_dim_v: int | None = None) -> int:
-    """Bytes of the float16 scales of int8 storage: ``layers * batch * tokens * kv_heads * (ceil(head_dim / 32)
-    + ceil(head_dim_v / 32)) * 2`` (one scale per 32 values of each K and V row, `kvcache.quant`)."""
-    from . import quant
-
-    layers, batch = _int("layers", layers), _int("batch", batch)
-    tokens, kv_heads = _int("tokens", tokens, minimum=0), _int("kv_heads", kv_heads)
-    head_dim = _int("head_dim", head_dim)
-    head_dim_v = head_dim if head_dim_v is None else _int("head_dim_v", head_dim_v)
-    groups = quant.num_groups(head_dim) + quant.num_groups(head_dim_v)
-    return layers * batch * tokens * kv_heads * groups * quant.SCALE_DTYPE.itemsize
-
-
-def attention_kind(num_q_heads: int, kv_heads: int) -> str:
-    """"MHA" (as many KV heads as query heads), "MQA" (one), otherwise "GQA-<kv_heads>"."""
-    if kv_heads == num_q_heads:
-        return "MHA"
-    return "MQA" if kv_heads == 1 else f"GQA-{kv_heads}"
-
-
-# -- one live cache -----------------------------------------------------------------------------------------
-def cache_memory(cache: KVCache) -> dict:
-    """Accounting of ``cache`` now (all ints, bytes unless named otherwise).
-
-    ``formula_bytes``          formula over the distinct token slots held (shared pages counted once)
-    ``formula_bytes_logical``  formula over the sum of the sequences' held tokens (what no sharing would need)
-    ``allocated_bytes``        the preallocated K/V arrays (``KVCache.pool_nbytes``; virtual, lazily backed)
-    ``used_bytes``             pages taken from the free list (mapped by sequences or reserved by open
-                               transactions) x bytes per page
-    ``tail_waste_bytes``       ``used_bytes - formula_bytes``: slots of used pages that hold no token (mostly
-                               the unfilled end of each sequence's last page; also reserved, uncommitted slots)
-    ``cached_bytes``           prefix caching: registered pages no sequence holds (kept for reuse, evictable)
-    ``free_bytes``             ``allocated_bytes - used_bytes - cached_bytes``
-    ``metadata_bytes``         estimate of the bookkeeping: page tables, ref counts, free list, sequence records
-                               (``sys.getsizeof`` of the containers and ``nbytes`` of the arrays; the int
-                               objects in Python lists are not counted separately)
-    """
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache: expected a KVCache, got {type(cache).__name__}")
-    cfg = cache.config
-    with cache._lock:                                       # one consistent snapshot
-        alloc = cache.allocator
-        sequences = dict(cache._sequences)
-        page_fill: dict[int, int] = {}                      # page -> slots holding a token, over all holders
-        logical_tokens = 0
-        page_tables = 0
-        for s in sequences.values():
-            logical_tokens += s.length - s.first_live_page * cfg.page_size
-            for logical in range(s.first_live_page, cfg.pages_for(s.length)):
-                page = int(s.table[logical])
-                fill = min(cfg.page_size, s.length - logical * cfg.page_size)
-                page_fill[page] = max(page_fill.get(page, 0), fill)
-            page_tables += sys.getsizeof(s) + s.table.nbytes + sys.getsizeof(s.held)
-        pages_free = alloc.num_free_pages
-        pages_cached = alloc.num_parked
-        ref_counts = sys.getsizeof(alloc._refs)
-        free_list = sys.getsizeof(alloc._free)
-        registry = sys.getsizeof(cache._sequences)
-    pages_used = cfg.num_pages - pages_free - pages_cached
-    distinct_tokens = sum(page_fill.values())
-    formula = distinct_tokens * cfg.bytes_per_token
-    used = pages_used * cfg.bytes_per_page
-    allocated = cache.pool_nbytes
-    return {
-        "num_sequences": len(sequences),
-        "logical_tokens": logical_tokens,
-        "distinct_tokens": distinct_tokens,
-        "bytes_per_token": cfg.bytes_per_token,
-        "num_pages": cfg.num_pages,
-        "pages_used": pages_used,
-        "pages_free": pages_free,
-        "pages_cached": pages_cached,
-        "formula_bytes": formula,
-        "formula_bytes_logical": logical_tokens * cfg.bytes_per_token,
-        "allocated_bytes": allocated,
-        "used_bytes": used,
-        "tail_waste_bytes": used - formula,
-        "cached_bytes": pages_cached * cfg.bytes_per_page,
-        "free_bytes": allocated - used - pages_cached * cfg.bytes_per_page,
-        "metadata_bytes": page_tables + ref_counts + free_list + registry,
-        "metadata_detail": {"page_tables": page_tables, "ref_counts": ref_counts, "free_list": free_list,
-                            "sequence_registry": registry},
-    }
 
 
 # -- the report ----------------------------------------------------------------------------------------------
@@ -264,8 +140,8 @@ def _build_and_fill(shape: dict, measure: bool) -> dict:
     and return `cache_memory` (plus RSS readings when ``measure``; the fill's one-time costs are run first,
     `_warm_up`, so that the baseline holds them). Runs in the measuring subprocess."""
     layers, kv, d, tokens = shape["layers"], shape["kv_heads"], shape["head_dim"], shape["tokens"]
-    dtype, chunk = np.dtype(shape["dtype"]), shape["chunk"]
-    inputs = np.float32 if dtype == np.int8 else dtype              # int8 storage takes float input
+    dtype, chunk = shape["dtype"], shape["chunk"]
+    inputs = np.float32 if dtype in ("int8", "bfloat16") else np.dtype(dtype)    # they take float input
     block = np.full((layers, chunk, kv, d), 0.5, dtype=inputs)      # touched now: part of the baseline
     rss = {}
     if measure and tokens:
@@ -314,7 +190,8 @@ def _naive_concat_peak(shape: dict) -> dict:
     ``[batch * (tokens - 1), kv_heads, head_dim]`` (touched), then one more token appended to every layer by
     ``np.concatenate`` — the old and the new array of a layer are alive together while it copies. Returns the
     RSS increase at the peak (VmHWM) and at the end. Runs in its own fresh subprocess."""
-    layers, kv, d, dtype = shape["layers"], shape["kv_heads"], shape["head_dim"], np.dtype(shape["dtype"])
+    layers, kv, d = shape["layers"], shape["kv_heads"], shape["head_dim"]
+    dtype = storage_array_dtype(shape["dtype"])                       # bfloat16: its bits, the same bytes
     rows = shape["batch"] * shape["tokens"]
     new_token = np.full((1, kv, d), 0.5, dtype=dtype)
     _trim_heap()
@@ -330,10 +207,10 @@ def _naive_concat_peak(shape: dict) -> dict:
 
 def _measure_in_subprocess(shape: dict, timeout: float) -> dict:
     """Run `_build_and_fill` in a fresh interpreter (isolated RSS) and return its JSON result."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "kvcache.memory", json.dumps(shape)], env=env,
+    proc = subprocess.run([sys.executable, "-m", "decode.app.measure_memory", json.dumps(shape)], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"memory measurement of {shape} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -374,32 +251,32 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
     None. Raises ValueError for a shape that would not fit in available memory (measure=True), or for bad
     arguments (``kv_heads`` must divide ``num_q_heads``).
     """
-    layers, num_q_heads = _int("layers", layers), _int("num_q_heads", num_q_heads)
-    tokens, head_dim = _int("tokens", tokens, minimum=0), _int("head_dim", head_dim)
-    batch, page_size = _int("batch", batch), _int("page_size", page_size)
+    layers, num_q_heads = check_int("layers", layers, minimum=1), check_int("num_q_heads", num_q_heads, minimum=1)
+    tokens, head_dim = check_int("tokens", tokens, minimum=0), check_int("head_dim", head_dim, minimum=1)
+    batch, page_size = check_int("batch", batch, minimum=1), check_int("page_size", page_size, minimum=1)
     kv_list = [kv_heads] if isinstance(kv_heads, numbers.Integral) else list(kv_heads)
     if not kv_list:
         raise ValueError("kv_heads: expected at least one KV-head count, got none")
-    kv_list = [_int("kv_heads", kv) for kv in kv_list]
+    kv_list = [check_int("kv_heads", kv, minimum=1) for kv in kv_list]
     for kv in kv_list:
         if num_q_heads % kv:
             raise ValueError(f"kv_heads: expected a divisor of num_q_heads={num_q_heads}, got {kv}")
-    from .checks import check_storage_dtype
-    storage = check_storage_dtype("dtype", dtype)
-    quantized = storage == np.int8
+    storage = check_storage_dtype("dtype", dtype)                    # the format's name
+    itemsize = storage_array_dtype(storage).itemsize
+    quantized = storage == "int8"
     pages_per_seq = -(-tokens // page_size)
     num_pages = max(1, batch * pages_per_seq)
 
     def token_bytes(kv):                                 # K and V of one token, all layers (int8: with scales)
         scales = kv_scale_bytes_formula(layers, 1, 1, kv, head_dim) if quantized else 0
-        return layers * kv * 2 * head_dim * storage.itemsize + scales
+        return layers * kv * 2 * head_dim * itemsize + scales
 
     shapes = []
     for kv in kv_list:
-        input_size = 4 if quantized else storage.itemsize
+        input_size = 4 if storage in ("int8", "bfloat16") else itemsize
         chunk = max(1, min(tokens, FILL_CHUNK_BYTES // (layers * kv * head_dim * input_size)))
         shapes.append({"layers": layers, "kv_heads": kv, "head_dim": head_dim, "tokens": tokens, "batch": batch,
-                       "page_size": page_size, "num_pages": num_pages, "dtype": storage.name, "chunk": chunk})
+                       "page_size": page_size, "num_pages": num_pages, "dtype": storage, "chunk": chunk})
     if measure:                                          # refuse before measuring anything
         for shape in shapes:
             _check_fits(shape, num_pages * page_size * token_bytes(shape["kv_heads"]))
@@ -417,7 +294,7 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
             twin = dict(shape, layers=1, kv_heads=1, head_dim=1, chunk=max(shape["chunk"], tokens // 1000))
             result = _build_and_fill(twin, measure=False)
         acc = result["accounting"]
-        values = kv_bytes_formula(layers, batch, tokens, kv, head_dim, storage.itemsize)
+        values = kv_bytes_formula(layers, batch, tokens, kv, head_dim, itemsize)
         scales = kv_scale_bytes_formula(layers, batch, tokens, kv, head_dim) if quantized else 0
         formula = values + scales
         used = acc["pages_used"] * page_size * token_bytes(kv)
@@ -427,7 +304,7 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
         rows.append({
             "attention": attention_kind(num_q_heads, kv),
             "kv_heads": kv, "num_q_heads": num_q_heads, "layers": layers, "batch": batch, "tokens": tokens,
-            "head_dim": head_dim, "dtype": storage.name, "page_size": page_size, "num_pages": num_pages,
+            "head_dim": head_dim, "dtype": storage, "page_size": page_size, "num_pages": num_pages,
             "formula_bytes": formula,
             "formula_gib": formula / GIB,
             "value_bytes": values,

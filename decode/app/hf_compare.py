@@ -11,7 +11,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from .cache import PagedCache
+from decode.hf import PagedCache
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 

@@ -1,22 +1,21 @@
 """`DecoderTransaction`: new tokens of one or more decoders (one pool), written and attended layer by layer.
 
-One token of one decoder goes through the cache's lean single-token path (`KVCache.begin_token`); anything
-larger through a general `kvcache.Transaction`. What every layer shares is planned once (`decode.attention_plan`).
+The cache's append transaction (`kvcache.transaction`: one protocol, the shape fitting the request: one token
+each -> `begin_tokens`, a `TokenWrite` for one decoder; anything larger -> `KVCache.transaction`) holds the slots,
+positions and page tables; what every layer shares is planned once (`decode.attention_plan`).
 """
 import numpy as np
 
 from . import window as _window
 from .inputs import check_tokens, split_ragged
-from .attention_plan import attend_token, csr, plan_batch
+from .attention_plan import attend_token, plan_batch
 
 
 class DecoderTransaction:
     """Tokens of one or more decoders (one pool) being written layer by layer; see `Decoder.transaction`.
 
-    One token of one decoder goes through the cache's lean single-token path (`KVCache.begin_token`);
-    anything larger through a general `kvcache.Transaction`. The slots are reserved when the transaction opens
-    (from then on it owns its sequences: no truncate / fork / free / other transaction in between), before any
-    layer's input exists; each per-layer call validates its input before it writes. The single-layer calls
+    The slots are reserved when the transaction opens (from then on it owns its sequences: no truncate / fork /
+    free / other transaction in between), before any layer's input exists; each per-layer call validates its input before it writes. The single-layer calls
     (`Decoder.step` / `extend` / `append`, `batch_extend`, `batch_step`) validate everything before they open
     one. What every layer shares (page tables, positions, the kernel's work partition) is computed by the first
     layer that attends and reused by the others."""
@@ -26,19 +25,13 @@ class DecoderTransaction:
         self.cache = decoders[0].cache
         self.num_tokens = num_tokens
         self._counts = [num_tokens[d.seq] for d in decoders]
-        self._single_token = len(decoders) == 1 and self._counts[0] == 1
-        self._one_each = len(decoders) > 1 and all(c == 1 for c in self._counts)
         self._plans = {}                # number of queries -> `decode.attention_plan.AttentionPlan`, see `_attend`
-        self._token_plan = None         # the one-token path's plan (`attend_token`)
-        if self._single_token:          # reserve (CacheFullError and bad ids leave everything as it was)
-            self._tx = self.cache.begin_token(decoders[0].seq, token_id=(token_ids or {}).get(decoders[0].seq))
-            self.start = [self._tx.position]
-        elif self._one_each:            # one token each: `kvcache.TokenBatch` (one scatter per layer)
+        self._token_plan = None         # the one-query path's plan (`attend_token`)
+        # reserve (CacheFullError and bad ids leave everything as it was)
+        if all(c == 1 for c in self._counts):
             self._tx = self.cache.begin_tokens([d.seq for d in decoders], token_ids=token_ids)
-            self.start = self._tx.positions.tolist()
         else:
             self._tx = self.cache.transaction(num_tokens, token_ids=token_ids)
-            self.start = [self._tx.start[d.seq] for d in decoders]
         self._open = True
 
     def __enter__(self) -> "DecoderTransaction":
@@ -68,7 +61,7 @@ class DecoderTransaction:
         """Write one layer's K/V of every decoder, no query: ``k`` / ``v`` as in `extend`."""
         def run():
             _, ks, vs = (None, k, v) if checked else self.check_tokens(None, k, v)
-            self._write_all(layer, ks, vs)
+            self._tx.write(layer, ks, vs)
         self._guard(run)
 
     def extend(self, layer: int, q, k, v, *, checked: bool = False):
@@ -81,7 +74,7 @@ class DecoderTransaction:
         ``checked``: the arrays come from `check_tokens` (ragged, validated, cast) and are not checked again."""
         def run():
             qs, ks, vs = (q, k, v) if checked else self.check_tokens(q, k, v)
-            self._write_all(layer, ks, vs)
+            self._tx.write(layer, ks, vs)
             out = self._attend(layer, qs)
             return split_ragged(out, self._counts) if isinstance(q, (list, tuple)) else out
         return self._guard(run)
@@ -95,38 +88,24 @@ class DecoderTransaction:
         """New tokens of each decoder, in decoder order."""
         return list(self._counts)
 
-    def _write_all(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store checked ragged ``k [N, H, D]``, ``v [N, H, Dv]`` (storage dtype), decoder by decoder (one
-        scatter for one token each)."""
-        if self._one_each:
-            self._tx.write(layer, k, v)
-            return
-        offset = 0
-        for b, count in enumerate(self._counts):
-            self._write(layer, b, k[offset:offset + count], v[offset:offset + count])
-            offset += count
-
     def _query_seq(self) -> np.ndarray:
         """int32 [N]: the page-table row (decoder index) of each ragged query."""
-        if self._one_each:
-            return np.arange(len(self.decoders), dtype=np.int32)
-        return np.repeat(np.arange(len(self.decoders), dtype=np.int32), self._counts)
+        return np.repeat(np.arange(len(self._counts), dtype=np.int32), self._counts)
 
     def _query_pos(self) -> np.ndarray:
-        """int64 [N]: the absolute position of each ragged query (decoder b's start + t)."""
-        counts = self._counts
-        if self._one_each:
-            return self._tx.positions
-        if len(counts) == 1:
-            return np.arange(self.start[0], self.start[0] + counts[0], dtype=np.int64)
-        return np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in zip(self.start, counts)])
+        """int64 [N]: the absolute position of each ragged query (decoder b's first new position + t)."""
+        counts, positions = self._counts, self._tx.positions
+        if min(counts) == max(counts) == 1:                          # one query each: the positions themselves
+            return positions
+        first = np.repeat(positions - np.cumsum([0] + counts[:-1]), counts)
+        return first + np.arange(len(first), dtype=np.int64)
 
     def step(self, layer: int, q, k, v, *, checked: bool = False) -> np.ndarray:
         """One token per decoder: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``,
         ``v [B, num_kv_heads, head_dim_v]`` with B = number of decoders (the B axis may be dropped for one
         decoder) -> ``[B, num_q_heads, head_dim_v]``. ``checked``: ``[B, ...]`` arrays validated and cast by
         `Decoder.check_query` / `check_kv` already."""
-        if self._single_token and (q.ndim if type(q) is np.ndarray else np.ndim(q)) == 2:
+        if (q.ndim if type(q) is np.ndarray else np.ndim(q)) == 2 and self._counts == [1]:
             try:                                    # `_guard`, inlined: the per-layer path of a decode step
                 if not self._open:
                     raise RuntimeError("transaction: expected an open transaction, got one already finished")
@@ -144,10 +123,10 @@ class DecoderTransaction:
         count = len(self.decoders)
         if not checked:
             q, k, v = self.decoders[0].inputs.tokens(q, k, v, count)     # [B, H, D]: one token per sequence
-        if not (self._one_each or self._single_token):
+        if any(c != 1 for c in self._counts):
             raise ValueError(f"step: expected a transaction of one new token per decoder, got num_tokens "
                              f"{self._counts} (use extend)")
-        self._write_all(layer, k, v)
+        self._tx.write(layer, k, v)
         return self._attend(layer, q)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
@@ -162,21 +141,6 @@ class DecoderTransaction:
                 self.rollback()
             raise
 
-    def _write(self, layer: int, index: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store checked ``k [T, H, D]``, ``v [T, H, Dv]`` (storage dtype) of decoder ``index`` in ``layer``."""
-        if self._single_token:
-            self._tx.write(layer, k[0], v[0])
-        else:
-            self._tx.write(layer, self.decoders[index].seq, k, v, checked=True)
-
-    def _page_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(indices int32, indptr int64 [B + 1])``: the decoders' page tables (reserved pages included), CSR."""
-        if self._one_each:
-            return self._tx.indices, self._tx.indptr
-        if self._single_token:
-            return csr([self._tx.pages()])
-        return csr([self._tx.pages(d.seq) for d in self.decoders])
-
     def _attend(self, layer, q) -> np.ndarray:
         """One kernel call: ``q [num_queries, num_q_heads, head_dim]`` (the ragged queries) over the decoders'
         page tables. The tables (checked: no released page visible), positions and the work partition are made
@@ -185,7 +149,8 @@ class DecoderTransaction:
         plan = self._plans.get(len(q))
         if plan is None:
             plan = self._plans[len(q)] = plan_batch(self.cache, dec.pools, [d.seq for d in self.decoders],
-                                                    *self._page_tables(), self.start, self._counts, q.shape,
+                                                    self._tx.indices, self._tx.indptr, self._tx.positions,
+                                                    self._counts, q.shape,
                                                     dec.window, self._query_seq(), self._query_pos())
         out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
         return plan.run_layer(dec.pools, layer, q, dec.scale, dec.window, out)

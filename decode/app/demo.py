@@ -1,9 +1,9 @@
 """`kvengine demo`: a small random transformer decoding greedily, token by token, through the engine.
 
-    python -m decode.cli demo [--tokens 256] [--layers 4] [--seed 0] [--dtype float32] [--prompt 32]
+    python -m decode.app.cli demo [--tokens 256] [--layers 4] [--seed 0] [--dtype float32] [--prompt 32]
                               [--spec-k 4] [--draft-bits 6] [--no-progress]
 
-The model (`decode.tiny_model`, NumPy, random weights, no training): token embedding -> ``layers`` x [RMSNorm -> GQA attention with
+The model (`decode.app.tiny_model`, NumPy, random weights, no training): token embedding -> ``layers`` x [RMSNorm -> GQA attention with
 RoPE at absolute positions -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head (separate
 from the embedding). Its K/V live in one `Decoder` with ``num_layers = layers``; the prompt is prefilled with
 ``tx.extend`` in one transaction, then every generated token is one ``dec.transaction(1)`` with one
@@ -39,7 +39,7 @@ from kvcache import CacheFullError
 from reference.memory import kv_bytes
 from reference.naive_cache import NaiveKVCache
 
-from .decoder import Decoder
+from decode import Decoder
 from .tiny_model import TinyTransformer, engine_forward, naive_forward, reference_logits
 
 # Max |engine logit - float64 no-cache logit| allowed, by storage dtype. The logits have a standard deviation

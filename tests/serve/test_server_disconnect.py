@@ -1,0 +1,71 @@
+"""A client that goes away mid-request gets its request aborted and its pages back (streamed and not)."""
+import json
+import queue
+import socket
+import time
+
+import httpx2
+
+from .harness import completion_body, engine_call, engine_stats, wait_idle
+
+
+PROMPT = list(range(3, 60))      # 57 tokens: 4 pages of 16
+
+
+def _holding(server) -> bool:
+    """One request runs and holds its pages (the prefix cache may count its full pages as cached too, so the
+    check is on pages in use, not on in-use minus cached)."""
+    stats = engine_stats(server)
+    return stats["requests_running"] == 1 and stats["pages_in_use"] >= 4
+
+
+def test_stream_disconnect_aborts_and_frees_the_pages(start_server):
+    server = start_server()
+    body = completion_body(PROMPT, 400, stream=True)
+    received = 0
+    with httpx2.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            received += line.startswith("data: {")
+            if received == 3:
+                break
+        assert _holding(server), (engine_stats(server), server.loop.stats())  # mid-stream: running, holding pages
+    stats = wait_idle(server, timeout_s=20)        # the connection is closed: abort, pages back
+    assert stats["pages_in_use"] == stats["prefix_cached_pages"] and stats["requests_running"] == 0
+    loop = server.loop.stats()
+    assert loop["loop_aborted"] == 1 and loop["loop_finished"] == 0 and loop["loop_open_requests"] == 0
+    assert stats["generation_tokens_total"] < 400  # it did not run on to the end
+
+
+def test_non_stream_disconnect_aborts_and_frees_the_pages(start_server):
+    server = start_server()
+    data = json.dumps(completion_body(PROMPT, 400)).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        deadline = time.monotonic() + 30
+        while not _holding(server):                # bounded: wait until it runs
+            assert time.monotonic() < deadline, engine_stats(server)
+            time.sleep(0.01)
+    stats = wait_idle(server, timeout_s=20)
+    assert stats["pages_in_use"] == stats["prefix_cached_pages"] and stats["requests_running"] == 0
+    assert server.loop.stats()["loop_aborted"] == 1
+    assert stats["generation_tokens_total"] < 400
+
+
+def test_an_abort_frees_the_pages_before_the_next_step(start_server):
+    from decode.serve import SamplingParams
+
+    server = start_server()
+    outputs = queue.Queue()
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    assert server.loop.submit(PROMPT, params, "long-one", outputs.put).result(30) == "long-one"
+    assert outputs.get(timeout=60).new_token_ids            # it runs and holds pages
+    assert _holding(server)
+    assert server.loop.abort("long-one").result(30) is True
+    steps_at_abort = server.loop.stats()["loop_steps"]
+    stats, steps = engine_call(server, lambda engine: (dict(engine.stats()), server.loop.counts["steps"]))
+    assert steps == steps_at_abort                           # no step ran in between
+    assert stats["pages_in_use"] == stats["prefix_cached_pages"] and stats["requests_running"] == 0
+    assert server.loop.abort("long-one").result(30) is False  # already gone
