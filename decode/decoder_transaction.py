@@ -11,7 +11,20 @@ from .inputs import check_tokens, split_ragged
 from .attention_plan import attend_token, plan_batch
 
 
-class DecoderTransaction:
+class CommitOnExit:
+    """The with-block of a layer-by-layer transaction: commit on a normal exit, roll back on an exception."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.rollback()
+
+
+class DecoderTransaction(CommitOnExit):
     """Tokens of one or more decoders (one pool) being written layer by layer; see `Decoder.transaction`.
 
     The slots are reserved when the transaction opens (from then on it owns its sequences: no truncate / fork /
@@ -33,15 +46,6 @@ class DecoderTransaction:
         else:
             self._tx = self.cache.transaction(num_tokens, token_ids=token_ids)
         self._open = True
-
-    def __enter__(self) -> "DecoderTransaction":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.rollback()
 
     def commit(self) -> None:
         """Publish the tokens (every layer must have been written); a no-op once committed."""

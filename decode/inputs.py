@@ -5,6 +5,7 @@ Every check runs before anything is reserved; errors are ``"name: expected ..., 
 caller's argument (and, for the list form of a batch, its element: ``q[1]: ...``). Inputs must be finite
 (after the cast to the storage dtype) and bounded in magnitude (`decode._validate.magnitude_limits`).
 """
+import functools
 import inspect
 
 import numpy as np
@@ -115,9 +116,10 @@ def check_readable(config) -> None:
                          "bfloat16 row loader)")
 
 
+@functools.cache
 def _attention_parameters():
     from .attention import paged_decode_attention
-    return inspect.signature(paged_decode_attention).parameters
+    return tuple(inspect.signature(paged_decode_attention).parameters)
 
 
 def check_single_layer(config, what: str) -> None:

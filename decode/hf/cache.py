@@ -34,6 +34,17 @@ from .plan import ForwardPlan
 from .rows import RowColumns
 
 
+# the config attributes `layout_of` reads (a change in any of them means another layout)
+_LAYOUT_ATTRIBUTES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+                      "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
+                      "attn_logit_softcapping", "is_encoder_decoder", "add_cross_attention", "is_causal",
+                      "n_layer", "n_head", "n_embd")
+
+
+def _frozen(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
 class PagedLayer(CacheLayerMixin):
     """transformers' per-layer view of a `PagedCache` (lengths, mask sizes, flags); the state is the cache's."""
 
@@ -145,6 +156,7 @@ class PagedCache(Cache):
         self._fresh = None               # the first forward's (pool group, pool before it) until it commits
         self._dtype_pending = False
         self._prompt_columns = 0         # columns of the first forward (the prompt), for CacheFullError
+        self._checked_model = None       # `check_model`'s key of the config last found right
         self.stats = {"kernel_calls": 0, "forwards": 0, "tokens": 0}
 
     # -- transformers' queries ----------------------------------------------------------------------------
@@ -237,6 +249,7 @@ class PagedCache(Cache):
         if fresh:
             self._begin_fresh(key.dtype, new_real, ids)
         else:
+            self._follow_model_dtype(key.dtype, rebuild=False)
             self._plan = self._plan_forward(self._seqs, new_real, ids)
 
     def _begin_fresh(self, model_dtype, new_real, ids) -> None:
@@ -265,14 +278,15 @@ class PagedCache(Cache):
                                       columns=self._cols.columns, prompt_columns=self._prompt_columns,
                                       forward_columns=new_real.shape[1], pages_used=used) from None
 
-    def _follow_model_dtype(self, model_dtype) -> None:
-        """dtype=None and no dtype in the config: the pool (float32 until now) takes the model's dtype."""
+    def _follow_model_dtype(self, model_dtype, rebuild: bool = True) -> None:
+        """dtype=None and no dtype in the config: the pool (float32 until now) takes the model's dtype; refused
+        when the pool is in use already (rows made by match_prefix)."""
         if not self._dtype_pending:
             return
         name = storage.for_model(model_dtype)
         if name == self.pool.config.storage:
             return
-        if self.pool.sequences or self.pool.num_cached_pages:
+        if not rebuild or self.pool.sequences or self.pool.num_cached_pages:
             raise ValueError(f"dtype: expected an explicit dtype for a cache used before its first forward "
                              f"(match_prefix), got None; the pool holds {self.pool.config.storage} pages and the "
                              f"model computes in {model_dtype}: build PagedCache(..., dtype={model_dtype})")
@@ -283,8 +297,16 @@ class PagedCache(Cache):
 
     def check_model(self, config) -> None:
         """ValueError unless ``config`` (the model's) has this cache's layout: layers, q / kv heads, head_dim,
-        sliding windows (a cache built for a deeper or shallower model, or another model's cache)."""
+        sliding windows (a cache built for a deeper or shallower model, or another model's cache). The config
+        last found right is remembered by identity and the attributes the layout is read from (`layout_of`
+        takes ~0.3-0.9 ms)."""
+        key = (id(config),) + tuple(_frozen(getattr(config, name, None)) for name in _LAYOUT_ATTRIBUTES)
+        if key == self._checked_model:
+            return
         got = layout_of(config)
+        if got == self.layout:
+            self._checked_model = key
+            return
         if got != self.layout:
             raise ValueError(f"past_key_values: expected a PagedCache built for this model ({got.describe()}), got "
                              f"one built for {self.layout.describe()}")
@@ -371,9 +393,10 @@ class PagedCache(Cache):
     def _commit(self, plan: ForwardPlan) -> None:
         plan.commit()
         self._plan = None
+        self._dtype_pending = False
         if self._fresh is not None:
             self._fresh[0].close()
-            self._fresh, self._dtype_pending = None, False
+            self._fresh = None
         self._cols.extend(plan.new_real)
         self.stats["forwards"] += 1
         self.stats["tokens"] += plan.num_queries

@@ -27,8 +27,9 @@ def prefer_workqueue() -> str:
     numba's OpenMP layer loads the system libgomp next to torch's bundled one; once its threads exist, small
     torch ops of the same process slowed by ~100x (torch.argmax of [32, 4000]: 0.25 ms -> 20-27 ms, measured
     here, reproducible) and an engine decode step of a small model by 4x (72 vs 18 ms); the kernels run as
-    fast on either layer (a 2 x 1024-token batch_extend: 182-201 vs 185-191 ms). workqueue does not support
-    launches from several threads at once: the engine is single-threaded."""
+    fast on either layer (a 2 x 1024-token batch_extend: 182-201 vs 185-191 ms). workqueue terminates the
+    process when parallel kernels are launched from several threads at once: the engine launches them from its
+    one thread; a program that also runs kernels from other threads sets NUMBA_THREADING_LAYER=omp."""
     try:
         return numba.threading_layer()                   # already initialized: nothing to choose any more
     except ValueError:

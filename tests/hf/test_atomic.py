@@ -1,7 +1,7 @@
 """A failed call leaves a PagedCache as it was (issue 19, part 2): the pool byte for byte (`fingerprint`, the
 sequence-id counter included) and the cache's own rows and columns.
 
-The fault-injection sweep follows tests/kvcache/test_kv_faults.py: a clean run with a counting `FaultInjector`
+The fault-injection sweep follows tests/reliability/test_cache_faults.py: a clean run with a counting `FaultInjector`
 on the pool lists the fault points an entry point passes; then, for each index i, a fresh identical cache runs
 it with ``FaultInjector(fail_at=i)``: `InjectedFault` propagates (through transformers when it is a forward),
 the state is what it was, the pool's invariants hold, and the same call then succeeds with the state of the
@@ -11,7 +11,8 @@ import pytest
 from transformers import DynamicCache
 
 from decode.hf import PagedCache
-from kvcache import CacheFullError, FaultInjector, InjectedFault
+from kvcache import CacheFullError
+from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
 
 from .models import model_pair, prompts

@@ -2,9 +2,9 @@
 a fault injected at every point of a mixed batch of operations."""
 import pytest
 
-from kvcache import FaultInjector, InjectedFault
+from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
-from kv_helpers import make_cache, random_kv
+from .kv_helpers import make_cache, random_kv
 
 
 def build():

@@ -6,7 +6,7 @@ import pytest
 
 import kvcache
 from kvcache import CacheFullError, testing
-from kv_helpers import DenseModel, assert_bitwise_equal, assert_fails_unchanged, assert_matches_model, \
+from .kv_helpers import DenseModel, assert_bitwise_equal, assert_fails_unchanged, assert_matches_model, \
     make_cache, random_kv
 
 

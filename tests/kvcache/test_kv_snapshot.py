@@ -14,7 +14,7 @@ import kvcache
 from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.errors import (SnapshotChecksumError, SnapshotConfigError, SnapshotCorruptError, SnapshotFormatError,
                      SnapshotInconsistentError, SnapshotRangeError, SnapshotTruncatedError, SnapshotVersionError)
-from kv_helpers import random_kv
+from .kv_helpers import random_kv
 
 
 def busy_cache(prefix_caching=True, dtype="float32", num_layers=2, seed=0):

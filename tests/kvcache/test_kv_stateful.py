@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvcache
 from kvcache import CacheFullError
-from kv_helpers import DenseModel, assert_bitwise_equal
+from .kv_helpers import DenseModel, assert_bitwise_equal
 
 MAX_SEQUENCES = 5
 

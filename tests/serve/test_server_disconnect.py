@@ -69,3 +69,23 @@ def test_an_abort_frees_the_pages_before_the_next_step(start_server):
     assert steps == steps_at_abort                           # no step ran in between
     assert stats["pages_in_use"] == stats["prefix_cached_pages"] and stats["requests_running"] == 0
     assert server.loop.abort("long-one").result(30) is False  # already gone
+
+
+def test_an_engine_failure_fails_loudly(model_dir):
+    """step() raising: the open request gets HTTP 500 naming the error, /health turns 503, new requests 503."""
+    from decode.serve import Engine
+    from decode.serve.http import ServedModel, Server
+
+    engine = Engine(str(model_dir), max_tokens=4096)
+    server = Server(engine, ServedModel(("m",), True, "test"), port=0, log_level="critical").start()
+    try:
+        def broken_step():
+            raise RuntimeError("injected step failure")
+        server.loop.call(lambda e: setattr(e, "step", broken_step)).result(30)
+        r = httpx2.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, timeout=60)
+        assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
+        assert httpx2.get(server.url + "/health", timeout=30).status_code == 503
+        r = httpx2.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, timeout=60)
+        assert r.status_code == 503
+    finally:
+        server.stop()
