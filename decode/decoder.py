@@ -19,9 +19,9 @@ from kvcache import KVCache
 from kvcache.checks import check_int
 
 from . import window as _window
-from .inputs import InputChecks, check_readable, check_single_layer, check_tokens, num_tokens_of
-from .layer_plan import LayerPools, attend_token
+from .attention_plan import LayerPools, attend_token
 from .decoder_transaction import DecoderTransaction
+from .inputs import InputChecks, check_readable, check_single_layer, check_tokens, num_tokens_of
 
 
 class Decoder:
@@ -104,7 +104,7 @@ class Decoder:
         self.scale = float(scale)
         self.inputs = InputChecks(cache, num_q_heads, self.scale)    # the input checks (`decode.inputs`)
         self.q_dtype = self.inputs.q_dtype                       # working precision of q and the outputs
-        self.pools = LayerPools(cache)                           # per-layer page views (`decode.layer_plan`)
+        self.pools = LayerPools(cache)                           # per-layer page views (`decode.attention_plan`)
 
     # -- state --------------------------------------------------------------------------------------------
     @property

@@ -2,13 +2,13 @@
 
 The cache's append transaction (`kvcache.transaction`: one protocol, the shape fitting the request: one token
 each -> `begin_tokens`, a `TokenWrite` for one decoder; anything larger -> `KVCache.transaction`) holds the slots,
-positions and page tables; what every layer shares is planned once (`decode.layer_plan`).
+positions and page tables; what every layer shares is planned once (`decode.attention_plan`).
 """
 import numpy as np
 
 from . import window as _window
 from .inputs import check_tokens, split_ragged
-from .layer_plan import attend_token, plan_batch
+from .attention_plan import attend_token, plan_batch
 
 
 class CommitOnExit:
@@ -38,7 +38,7 @@ class DecoderTransaction(CommitOnExit):
         self.cache = decoders[0].cache
         self.num_tokens = num_tokens
         self._counts = [num_tokens[d.seq] for d in decoders]
-        self._plans = {}                # number of queries -> `decode.layer_plan.LayerPlan`, see `_attend`
+        self._plans = {}                # number of queries -> `decode.attention_plan.AttentionPlan`, see `_attend`
         self._token_plan = None         # the one-query path's plan (`attend_token`)
         # reserve (CacheFullError and bad ids leave everything as it was)
         if self._counts.count(1) == len(self._counts):          # one token each: the slot shapes
@@ -157,4 +157,4 @@ class DecoderTransaction(CommitOnExit):
                                                     self._counts, q.shape,
                                                     dec.window, self._query_seq(), self._query_pos())
         out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
-        return plan.run(dec.pools, layer, q, dec.scale, dec.window, out)
+        return plan.run_layer(dec.pools, layer, q, dec.scale, dec.window, out)

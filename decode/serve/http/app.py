@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from . import protocol
@@ -115,11 +116,25 @@ def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> 
     async def chat_completions(request: Request):
         return await handle(request, protocol.parse_chat)
 
+    def card(name: str) -> dict:
+        return protocol.model_card(name, created, served.random_weights, limits.max_model_len, served.description)
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [protocol.model_card(name, created, served.random_weights,
-                                                               limits.max_model_len, served.description)
-                                           for name in served.names]}
+        return {"object": "list", "data": [card(name) for name in served.names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        try:
+            return card(protocol.check_model({"model": name}, limits))
+        except protocol.APIError as err:
+            return error_response(err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        """Unknown routes and methods answer in OpenAI's error shape too."""
+        return error_response(protocol.APIError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                f"{exc.detail}", None, "invalid_request_error"))
 
     @app.get("/health")
     async def health():
