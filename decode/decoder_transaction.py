@@ -41,7 +41,7 @@ class DecoderTransaction(CommitOnExit):
         self._plans = {}                # number of queries -> `decode.attention_plan.AttentionPlan`, see `_attend`
         self._token_plan = None         # the one-query path's plan (`attend_token`)
         # reserve (CacheFullError and bad ids leave everything as it was)
-        if all(c == 1 for c in self._counts):
+        if self._counts.count(1) == len(self._counts):          # one token each: the slot shapes
             self._tx = self.cache.begin_tokens([d.seq for d in decoders], token_ids=token_ids)
         else:
             self._tx = self.cache.transaction(num_tokens, token_ids=token_ids)
