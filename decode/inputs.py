@@ -5,12 +5,9 @@ Every check runs before anything is reserved; errors are ``"name: expected ..., 
 caller's argument (and, for the list form of a batch, its element: ``q[1]: ...``). Inputs must be finite
 (after the cast to the storage dtype) and bounded in magnitude (`decode._validate.magnitude_limits`).
 """
-import functools
-import inspect
-
 import numpy as np
 
-from kvcache.checks import BFLOAT16, as_float_array, cast_to_storage, check_shape
+from kvcache.checks import as_float_array, cast_to_storage, check_shape
 
 from ._validate import check_magnitude, first_bad_input, magnitude_limits, overflow_limit
 
@@ -104,22 +101,6 @@ class InputChecks:
         q = cast_to_storage("q", q, self.q_dtype)
         check_magnitude("q", given, self.q_limit, self.q_dtype)
         return np.ascontiguousarray(q)
-
-
-def check_readable(config) -> None:
-    """ValueError naming ``dtype`` for a storage format the attention kernels of this build cannot read: bfloat16
-    pools (`kvcache.bf16`) are read only by kernels that take ``storage="bfloat16"``; before them a decoder would
-    read the bits as float16, so it is refused instead."""
-    if config.storage == BFLOAT16 and "storage" not in _attention_parameters():
-        raise ValueError("dtype: expected a storage format the attention kernels read (float16, float32, float64, "
-                         "int8), got 'bfloat16' (the pool stores it, kvcache.bf16; this build's kernels have no "
-                         "bfloat16 row loader)")
-
-
-@functools.cache
-def _attention_parameters():
-    from .attention import paged_decode_attention
-    return tuple(inspect.signature(paged_decode_attention).parameters)
 
 
 def check_single_layer(config, what: str) -> None:

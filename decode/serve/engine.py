@@ -14,8 +14,9 @@ forward), `decode.serve.sampler` (token choice), `decode.serve.output_text` (det
 import itertools
 import time
 
-import numpy as np
 import torch
+
+from kvcache import CacheConfig
 
 from .loading import (attention_scale, attention_shape, dtype_name, eos_ids, load_model, load_tokenizer,
                       parse_memory, pool_dtype)
@@ -99,9 +100,9 @@ class Engine:
 
     def _sizes(self, layout, storage, block_size, kv_cache_memory, max_tokens, max_model_len, max_num_seqs):
         """(pool pages, max_model_len) from the budget and the model's context."""
-        bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * np.dtype(storage).itemsize
-        if storage == "int8":
-            bytes_per_token += 2 * layout.num_layers * layout.num_kv_heads * -(-layout.head_dim // 32) * 2
+        bytes_per_token = CacheConfig.build(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                                            head_dim=layout.head_dim, page_size=block_size, num_pages=1,
+                                            dtype=storage).bytes_per_token          # int8: its scales included
         context = int(getattr(self.model.config, "max_position_embeddings", 0) or 2048)
         if max_model_len is not None:
             context = _positive("max_model_len", max_model_len)
@@ -113,7 +114,7 @@ class Engine:
             tokens = min(DEFAULT_KV_CACHE_MEMORY // bytes_per_token, max_num_seqs * context)
         num_pages = tokens // block_size
         if num_pages < 1:
-            raise ValueError(f"kv_cache_memory: expected room for at least one page of {block_size} tokens "
+            raise ValueError(f"kv_cache_memory/max_tokens: expected room for at least one page of {block_size} tokens "
                              f"({block_size * bytes_per_token} bytes), got {tokens} tokens")
         capacity = num_pages * block_size
         if max_model_len is None:
@@ -192,11 +193,11 @@ class Engine:
         If the forward raises, its K/V writes are rolled back and every request keeps the tokens it had (the
         pool is byte-identical but for the step's admissions and preemptions, which stand); the next step
         retries."""
-        outputs, self._undelivered = self._undelivered, []
         batch = self.scheduler.schedule()
-        if not len(batch):
+        logits = self.runner.forward(batch) if len(batch) else None       # (a failure keeps undelivered outputs)
+        outputs, self._undelivered = self._undelivered, []
+        if logits is None:
             return outputs
-        logits = self.runner.forward(batch)
         sampled = [r for r in batch.requests if r.num_to_compute == 0]
         tokens = self.sampler.sample(logits, sampled) if sampled else []
         now = time.monotonic()

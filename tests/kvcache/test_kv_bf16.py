@@ -45,7 +45,7 @@ def oracle(f32_bits: np.ndarray) -> np.ndarray:
     return out.astype(np.uint16)
 
 
-@njit(cache=True)
+@njit(cache=False)                  # a test helper: no on-disk cache keyed by this module's (changing) name
 def _jit_round(bits, out):
     for i in range(bits.shape[0]):
         out[i] = bf16.f32_bits_to_bf16(bits[i])

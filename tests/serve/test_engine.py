@@ -359,6 +359,8 @@ def test_a_forward_that_fails_changes_nothing_and_the_engine_goes_on():
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure in layer 1's MLP")
     mlp.forward = broken
+    extra = eng.add_request(prompts[0], GREEDY)
+    assert eng.abort(extra)                                     # its "abort" output waits for the next step
     with pytest.raises(RuntimeError, match="injected"):
         eng.step()
     mlp.forward = forward
@@ -366,6 +368,7 @@ def test_a_forward_that_fails_changes_nothing_and_the_engine_goes_on():
     assert [r.num_computed for r in eng.scheduler.running] == computed
     eng.check_invariants()
     final = drain(eng)
+    assert final[extra].finish_reason == "abort"                 # not lost with the failed step
     for rid, p in zip(ids, prompts):
         assert final[rid].output_token_ids == reference(torch.float64, p, 12)[0]
 
@@ -499,3 +502,31 @@ def test_per_layer_attention_scales_are_refused():
                      vocab_size=VOCAB)
     with pytest.raises(UnsupportedFeatureError, match="per-layer attention scales"):
         Engine(AutoModelForCausalLM.from_config(cfg), max_tokens=256)
+
+
+@pytest.mark.parametrize("budget, kv_cache_dtype", [("1MiB", "auto"), ("512KiB", "auto"), (65536, "auto"),
+                                                    ("1MiB", "float16"), ("0.5MB", "int8")])
+def test_the_memory_budget_sizes_the_pool_by_the_raw_kv_formula(budget, kv_cache_dtype):
+    from decode.serve.loading import parse_memory
+
+    eng = engine(kv_cache_memory=budget, max_tokens=None, kv_cache_dtype=kv_cache_dtype)
+    layers, kv_heads, head_dim = 2, 2, 16
+    itemsize = {"auto": 8, "float16": 2, "int8": 1}[kv_cache_dtype]
+    per_token = 2 * layers * kv_heads * head_dim * itemsize                  # raw K/V bytes of one token
+    if kv_cache_dtype == "int8":
+        per_token += 2 * layers * kv_heads * 1 * 2                           # one float16 scale per 32 values
+    pages = parse_memory("budget", budget) // (per_token * 8)
+    assert eng.stats()["pages_total"] == pages
+    assert eng.pool.cache.pool_nbytes <= parse_memory("budget", budget) < eng.pool.cache.pool_nbytes + per_token * 8
+
+
+def test_torch_keeps_its_thread_count_across_parallel_kernel_launches():
+    """A prefill of >= 256 tokens runs the attention kernel on numba's threads; numba's OpenMP layer, at its
+    first launch, resets the process's OpenMP thread count (torch's too): the runner puts torch's back."""
+    assert torch.get_num_threads() == 1                          # the module's setting
+    eng = engine(max_num_batched_tokens=600, max_num_seqs=8)
+    prompts = random_prompts(2, 280, 300, VOCAB, seed=95)
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_tokens=3, temperature=0))
+    drain(eng)
+    assert torch.get_num_threads() == 1

@@ -50,3 +50,15 @@ def test_flags_reach_the_engine_and_the_names_are_served(model_dir):
 def test_bad_flag_values_exit_2_naming_the_flag(model_dir, capsys, argv, named):
     assert serve_cli.cmd_serve(parse("--model", str(model_dir), *argv)) == 2
     assert named in capsys.readouterr().err
+
+
+def test_the_kvengine_parser_imports_no_optional_package():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, decode.app.cli as cli; cli.build_parser(); print(sorted(m for m in ('torch', "
+            "'transformers', 'fastapi', 'uvicorn', 'prometheus_client', 'openai') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
