@@ -95,7 +95,8 @@ class PagedCache(Cache):
                                              "float32", "float64", "int8" (`kvcache.quant`), or torch.float16 /
                                              bfloat16 / float32 / float64. None (default): the model's dtype
                                              (``config.dtype``, else the K/V of the first forward; a bfloat16
-                                             model gets float32 pages while kvcache has no bfloat16 pages).
+                                             model gets bfloat16 pages, float32 in a build whose kernels
+                                             cannot read them).
                                              Inputs are converted, outputs come back in the model's dtype
     page_size : int                          tokens per page
     prefix_caching : bool                    register full pages by token id, reuse them (`match_prefix`)

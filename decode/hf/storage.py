@@ -54,8 +54,8 @@ def storage_name(dtype) -> str | None:
 
 
 def for_model(torch_dtype: torch.dtype) -> str:
-    """The default storage of a model computing in ``torch_dtype``: the same dtype (bfloat16 while kvcache has no
-    bfloat16 pages: float32, documented in docs/transformers.md); float32 for anything else."""
+    """The default storage of a model computing in ``torch_dtype``: the same dtype (bfloat16 in a build whose kernels
+    cannot read bfloat16 pages: float32, documented in docs/transformers.md); float32 for anything else."""
     name = _TORCH.get(torch_dtype, "float32")
     if name == "bfloat16" and not bfloat16_pages():
         return "float32"
