@@ -21,7 +21,7 @@ from kvcache.checks import check_int
 from . import window as _window
 from .attention_plan import LayerPools, attend_token
 from .decoder_transaction import DecoderTransaction
-from .inputs import InputChecks, check_readable, check_single_layer, check_tokens, num_tokens_of
+from .inputs import InputChecks, check_single_layer, check_tokens, num_tokens_of
 
 
 class Decoder:
@@ -88,7 +88,6 @@ class Decoder:
     def _attach(self, cache: KVCache, new_seq, num_q_heads, scale, window) -> None:
         """Check the arguments, then take the sequence ``new_seq()`` (so a bad argument leaves the cache as it was)."""
         cfg = cache.config
-        check_readable(cfg)
         num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
         if num_q_heads % cfg.num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")

@@ -6,21 +6,20 @@ caller's argument (and, for the list form of a batch, its element: ``q[1]: ...``
 (after the cast to the storage dtype) and bounded in magnitude (`magnitude_limits`).
 
 The decode-step path checks finiteness with one jitted call (`first_bad_input`) instead of three NumPy
-reductions. The limit makes "finite after the cast to the storage dtype" checkable before casting: a float32 input bound
-for float16 storage must satisfy |x| < 65520 (values from 65520 up round to inf in float16).
+reductions. The limit makes "finite after the cast to the storage dtype" checkable before casting: a float32 input
+bound for float16 storage must satisfy |x| < 65520 (values from 65520 up round to inf in float16).
 
 `magnitude_limits` bounds the inputs so that the kernel's arithmetic cannot overflow: finite q and k whose scores
 exceed the compute dtype made the fastmath kernel return NaN, raise ZeroDivisionError, or return finite garbage.
 """
-import functools
-import inspect
 import math
 
 import numpy as np
 from numba import njit
 
 from kvcache import quant
-from kvcache.checks import BFLOAT16, as_float_array, cast_to_storage, check_shape
+from kvcache.checks import as_float_array, cast_to_storage, check_shape
+
 
 FLOAT16_OVERFLOW = 65520.0                      # smallest magnitude that rounds to inf in float16
 FLOAT32_OVERFLOW = 3.4028235677973366e38     # float32 max + half an ulp: the smallest float64 that rounds to inf
@@ -171,22 +170,6 @@ class InputChecks:
         q = cast_to_storage("q", q, self.q_dtype)
         check_magnitude("q", given, self.q_limit, self.q_dtype)
         return np.ascontiguousarray(q)
-
-
-def check_readable(config) -> None:
-    """ValueError naming ``dtype`` for a storage format the attention kernels of this build cannot read: bfloat16
-    pools (`kvcache.bf16`) are read only by kernels that take ``storage="bfloat16"``; before them a decoder would
-    read the bits as float16, so it is refused instead."""
-    if config.storage == BFLOAT16 and "storage" not in _attention_parameters():
-        raise ValueError("dtype: expected a storage format the attention kernels read (float16, float32, float64, "
-                         "int8), got 'bfloat16' (the pool stores it, kvcache.bf16; this build's kernels have no "
-                         "bfloat16 row loader)")
-
-
-@functools.cache
-def _attention_parameters():
-    from .attention import paged_decode_attention
-    return tuple(inspect.signature(paged_decode_attention).parameters)
 
 
 def check_single_layer(config, what: str) -> None:
