@@ -6,7 +6,7 @@
 
 Every call validates all of its input before the cache changes; after any error the decoder and its pool are
 exactly as before. Inputs must be finite (after the cast to the storage dtype) and bounded in magnitude
-(`decode._validate.magnitude_limits`: |k|, |v| < 2**48 for float32 compute) so that no score overflows
+(`decode.inputs.magnitude_limits`: |k|, |v| < 2**48 for float32 compute) so that no score overflows
 (`decode.inputs`). Query ``i`` of a call sits at absolute position ``length + i`` and reads keys at positions
 ``<= length + i`` (and ``> position - window`` with a sliding window).
 """
