@@ -1,12 +1,14 @@
 """A/B of the attention kernels of two source trees (e.g. a checkout of main vs a branch), interleaved round by
 round because the machine is noisy: two worker processes (one per tree, each importing `decode` from its own
 tree) alternate, ABAB then BABA, on the same shapes and the same seeded data; each round is `CALLS` timed
-calls of `_paged_decode_attention_unchecked` per shape over a rotation of layers (so K/V are mostly not in
+calls of the unchecked kernel entry (`decode.attention_plan.attend_unchecked`, or
+`decode.attention._paged_decode_attention_unchecked` in trees before it) per shape over a rotation of layers (so K/V are mostly not in
 cache). Reports per shape the median per-call time of each tree and the median of the per-round ratios B/A.
 
     python -m benchmarks.ab_trees TREE_A TREE_B ROUNDS
     AB_CPU=1 ...            process CPU time instead of wall clock (use with NUMBA_NUM_THREADS=1 on a busy box)
     AB_ONLY=MQA,GQA8 ...    only the shapes whose label contains one of these
+    AB_PRECISION=highest    pass precision="highest" to the trees whose entry point takes it (float64 q.k)
 
 Not collected by pytest (no timing claims of its own): a tool for measuring a kernel change side by side.
 """
@@ -56,13 +58,21 @@ def worker(tree):
     import numpy as np
     import decode.attention as A
     assert A.__file__.startswith(os.path.abspath(tree)), A.__file__
+    try:
+        from decode.attention_plan import attend_unchecked
+    except ImportError:                     # a tree before the planning module
+        attend_unchecked = getattr(A, "_paged_decode_attention_unchecked")
+    import inspect
+    precision = os.environ.get("AB_PRECISION")
+    kw = {"precision": precision} if precision and "precision" in inspect.signature(attend_unchecked).parameters \
+        else {}
     clock = time.process_time if os.environ.get("AB_CPU") else time.perf_counter
     cases = _cases(np)
 
     def call(case, i):
         _, pools, pi, ptr, q, qseq, qpos, out, scale = case
         k, v = pools[i % len(pools)]
-        A._paged_decode_attention_unchecked(q, k, v, pi, ptr, qseq, qpos, scale, 0, out)
+        attend_unchecked(q, k, v, pi, ptr, qseq, qpos, scale, 0, out, **kw)
 
     for case in cases:                  # compile / warm outside the timings
         for i in range(3):

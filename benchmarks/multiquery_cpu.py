@@ -9,7 +9,7 @@ os.environ["OPENBLAS_NUM_THREADS"]="1"; os.environ["OMP_NUM_THREADS"]="1"
 import numpy as np, time, sys, torch
 torch.set_num_threads(1)
 import torch.nn.functional as F
-from decode.attention import _paged_decode_attention_unchecked as U
+from decode.attention_plan import attend_unchecked as U
 rng=np.random.default_rng(0)
 def cpu(f, n=3):
     f(); ts=[]

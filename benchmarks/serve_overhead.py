@@ -2,7 +2,8 @@
 model forward, split into attention (the engine's kernel calls, K/V writes and input checks) and everything
 else of the model (matmuls, norms, RoPE, transformers' Python).
 
-    python -m benchmarks.serve_overhead [--layers 8 --hidden 1024 --heads 16 --kv-heads 4 --vocab 32000]
+    python -m benchmarks.serve_overhead [--layers 8 --hidden 1024 --heads 16 --kv-heads 4 --vocab 32000 |
+                                         --checkpoint DIR]
                                         [--requests 32 --prompt 128 --new 48 --dtype float32 --threads 2]
 
 Steps where every running request decodes (``--requests`` of them, one token each) are timed; the figures are
@@ -47,7 +48,8 @@ def measure(args) -> dict:
     from decode.serve import packed_attention
     from decode.serve.testing import random_prompts
 
-    engine = Engine(build_model(args), max_tokens=args.requests * (args.prompt + args.new) + 1024, block_size=16,
+    model = args.checkpoint or build_model(args)                 # a directory: its tokenizer detokenizes too
+    engine = Engine(model, max_tokens=args.requests * (args.prompt + args.new) + 1024, block_size=16,
                     max_num_seqs=args.requests, max_num_batched_tokens=max(2048, args.requests))
     slots = {name: [0.0] for name in ("schedule", "forward", "model", "attention", "sample")}
     _timed(engine.scheduler, "schedule", slots["schedule"])
@@ -58,7 +60,8 @@ def measure(args) -> dict:
     _timed(engine.sampler, "sample", slots["sample"])
     attend = _timed(packed_attention.PackedForward, "attend", slots["attention"])
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
-    for prompt in random_prompts(args.requests, args.prompt, args.prompt + 1, args.vocab, seed=1):
+    vocab = engine.vocab_size
+    for prompt in random_prompts(args.requests, args.prompt, args.prompt + 1, vocab, seed=1):
         engine.add_request(prompt, params)
     rows = []
     try:
@@ -74,7 +77,10 @@ def measure(args) -> dict:
     finally:
         packed_attention.PackedForward.attend = attend
     out = summarize(rows)
-    out["threading_layer"] = engine.runner.threading_layer
+    import numba
+
+    out["threading_layer"] = numba.threading_layer()
+    out["tokenizer"] = type(engine.tokenizer).__name__ if engine.tokenizer is not None else None
     return out
 
 
@@ -92,12 +98,15 @@ def main(argv=None) -> None:
                           ("requests", 32), ("prompt", 128), ("new", 48), ("threads", 2)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint directory instead of the built model "
+                        "(with a tokenizer: outputs are detokenized, as a server's are)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     m = measure(args)
     step = m["step"]
     print(f"{args.requests} running requests, decode steps timed: {m['steps']} (medians, ms)")
-    print(f"threading layer {m['threading_layer']}, torch threads {torch.get_num_threads()}")
+    print(f"threading layer {m['threading_layer']}, torch threads {torch.get_num_threads()}, tokenizer: "
+          f"{m['tokenizer']}")
     for key, what in (("step", "whole step"), ("schedule", "scheduler.schedule"),
                       ("engine_python", "engine's own work: all but the model call (schedule, inputs, "
                                         "transaction, sampling, outputs)"),

@@ -134,7 +134,7 @@ def test_int8_kernel_compute(benchmark, quick, which):
     """The kernel's compute per step, apart from memory and from other processes: the serial kernel over a warm
     pool (512 tokens: 4-16 MiB, cache resident), thread CPU time (``time.thread_time``: time-slicing by other
     jobs does not count), best of many calls, int8 against float16 and float32 storage."""
-    from decode.attention import _paged_decode_attention_unchecked as attend
+    from decode.attention_plan import attend_unchecked as attend
     from kvcache import KVCache
 
     hq, hkv, d, n = compute_cases(quick)[which]

@@ -254,7 +254,7 @@ def int8_engine(c, impl):
     the kernel call alone on a pool holding all start + T tokens (queries at positions start..), tiled (runs
     to the tiled multi-query kernel) or (int8) every query through the int8 single-query kernel."""
     from decode import Decoder
-    from decode.attention import _paged_decode_attention_unchecked
+    from decode.attention_plan import attend_unchecked
 
     hq, hkv, d, start, T = c
     rng = np.random.default_rng(5)
@@ -287,7 +287,7 @@ def int8_engine(c, impl):
     kw = dict(k_scales=cache.k_scales(), v_scales=cache.v_scales(), tiled=impl.endswith("_tiled"))
 
     def call():
-        return _paged_decode_attention_unchecked(*args, **kw)
+        return attend_unchecked(*args, **kw)
     Kd, Vd = (x.astype(np.float64) for x in dec.kv())
     return call, lambda: ((), {}), Kd, Vd, q, start
 

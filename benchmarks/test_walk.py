@@ -7,7 +7,7 @@ rotation away (`benchmarks.walk.page_walk`), so the ceiling and the step see the
     batch     `batch_step` of B sequences x N tokens (GQA-8 float32, page 16) vs a loop of `Decoder.step`, both
               against the walk of all B page rows
     layers    a 32-layer token (`transaction(1)` + 32 `tx.step`) vs the 32 bare kernel calls over the same pages
-              (`DecodePlan.run`): the per-layer time beyond the kernel; GQA-8 float16, 4096 tokens (cold) and
+              (`AttentionPlan.run`): the per-layer time beyond the kernel; GQA-8 float16, 4096 tokens (cold) and
               16 tokens (hot, where the overhead is not hidden by the kernel's own variation)
 """
 from __future__ import annotations
@@ -149,10 +149,10 @@ def test_batch_vs_walk(benchmark, ceilings, quick, warm_engine, batch_case):
 @pytest.mark.kernel
 def test_layer_overhead(benchmark, ceilings, quick, warm_engine, layers_case):
     """Per-layer time of a multi-layer token beyond its kernel calls: the transaction (validation, slot, 32
-    writes, 32 kernel calls over one plan) against the 32 `DecodePlan.run` calls alone, alternated round by
+    writes, 32 kernel calls over one plan) against the 32 `AttentionPlan.run` calls alone, alternated round by
     round (extra_info ``kernel_seconds``, ``overhead_per_layer_s``)."""
     from decode import Decoder
-    from decode.attention import plan_decode
+    from decode.attention_plan import AttentionPlan
 
     num_layers = 4 if quick else 32
     n = 16 if layers_case == "hot" else (300 if quick else 4096)
@@ -175,7 +175,7 @@ def test_layer_overhead(benchmark, ceilings, quick, warm_engine, layers_case):
     table = dec.cache.page_table(dec.seq)
     indptr = np.array([0, len(table)], dtype=np.int64)
     qseq, qpos = np.zeros(1, dtype=np.int32), np.array([n - 1], dtype=np.int64)
-    plan = plan_decode(qpos, 0, (1, hq, d), dec.cache.v_pages(0))
+    plan = AttentionPlan(qseq, qpos, 0, (1, hq, d), dec.cache.v_pages(0).shape, np.dtype(np.float16))
     out = np.empty((1, hq, d), dtype=np.float32)
     # the kernels' own view of float16 pages (uint16 bits), made here once: the baseline is the bare kernel call
     pools = [(dec.cache.k_pages(layer).view(np.uint16), dec.cache.v_pages(layer).view(np.uint16))
@@ -185,7 +185,7 @@ def test_layer_overhead(benchmark, ceilings, quick, warm_engine, layers_case):
 
     def kernels():
         for layer in range(num_layers):
-            plan.run(qs[layer], *pools[layer], table, indptr, qseq, qpos, dec.scale, 0, out)
+            plan.run(qs[layer], *pools[layer], table, indptr, dec.scale, 0, out)
 
     def setup():
         kernel_s.append(common.time_calls(kernels, [()]))

@@ -6,7 +6,7 @@
 
 Every call validates all of its input before the cache changes; after any error the decoder and its pool are
 exactly as before. Inputs must be finite (after the cast to the storage dtype) and bounded in magnitude
-(`decode._validate.magnitude_limits`: |k|, |v| < 2**48 for float32 compute) so that no score overflows
+(`decode.inputs.magnitude_limits`: |k|, |v| < 2**48 for float32 compute) so that no score overflows
 (`decode.inputs`). Query ``i`` of a call sits at absolute position ``length + i`` and reads keys at positions
 ``<= length + i`` (and ``> position - window`` with a sliding window).
 """
@@ -19,9 +19,9 @@ from kvcache import KVCache
 from kvcache.checks import check_int
 
 from . import window as _window
-from .inputs import InputChecks, check_readable, check_single_layer, check_tokens, num_tokens_of
-from .layer_plan import LayerPools, attend_token
+from .attention_plan import LayerPools, attend_token
 from .decoder_transaction import DecoderTransaction
+from .inputs import InputChecks, check_single_layer, check_tokens, num_tokens_of
 
 
 class Decoder:
@@ -88,7 +88,6 @@ class Decoder:
     def _attach(self, cache: KVCache, new_seq, num_q_heads, scale, window) -> None:
         """Check the arguments, then take the sequence ``new_seq()`` (so a bad argument leaves the cache as it was)."""
         cfg = cache.config
-        check_readable(cfg)
         num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
         if num_q_heads % cfg.num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")
@@ -104,7 +103,7 @@ class Decoder:
         self.scale = float(scale)
         self.inputs = InputChecks(cache, num_q_heads, self.scale)    # the input checks (`decode.inputs`)
         self.q_dtype = self.inputs.q_dtype                       # working precision of q and the outputs
-        self.pools = LayerPools(cache)                           # per-layer page views (`decode.layer_plan`)
+        self.pools = LayerPools(cache)                           # per-layer page views (`decode.attention_plan`)
 
     # -- state --------------------------------------------------------------------------------------------
     @property

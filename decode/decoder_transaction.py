@@ -2,16 +2,29 @@
 
 The cache's append transaction (`kvcache.transaction`: one protocol, the shape fitting the request: one token
 each -> `begin_tokens`, a `TokenWrite` for one decoder; anything larger -> `KVCache.transaction`) holds the slots,
-positions and page tables; what every layer shares is planned once (`decode.layer_plan`).
+positions and page tables; what every layer shares is planned once (`decode.attention_plan`).
 """
 import numpy as np
 
 from . import window as _window
 from .inputs import check_tokens, split_ragged
-from .layer_plan import attend_token, plan_batch
+from .attention_plan import attend_token, plan_batch
 
 
-class DecoderTransaction:
+class CommitOnExit:
+    """The with-block of a layer-by-layer transaction: commit on a normal exit, roll back on an exception."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.rollback()
+
+
+class DecoderTransaction(CommitOnExit):
     """Tokens of one or more decoders (one pool) being written layer by layer; see `Decoder.transaction`.
 
     The slots are reserved when the transaction opens (from then on it owns its sequences: no truncate / fork /
@@ -25,23 +38,14 @@ class DecoderTransaction:
         self.cache = decoders[0].cache
         self.num_tokens = num_tokens
         self._counts = [num_tokens[d.seq] for d in decoders]
-        self._plans = {}                # number of queries -> `decode.layer_plan.LayerPlan`, see `_attend`
+        self._plans = {}                # number of queries -> `decode.attention_plan.AttentionPlan`, see `_attend`
         self._token_plan = None         # the one-query path's plan (`attend_token`)
         # reserve (CacheFullError and bad ids leave everything as it was)
-        if all(c == 1 for c in self._counts):
+        if self._counts.count(1) == len(self._counts):          # one token each: the slot shapes
             self._tx = self.cache.begin_tokens([d.seq for d in decoders], token_ids=token_ids)
         else:
             self._tx = self.cache.transaction(num_tokens, token_ids=token_ids)
         self._open = True
-
-    def __enter__(self) -> "DecoderTransaction":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.rollback()
 
     def commit(self) -> None:
         """Publish the tokens (every layer must have been written); a no-op once committed."""
@@ -153,4 +157,4 @@ class DecoderTransaction:
                                                     self._counts, q.shape,
                                                     dec.window, self._query_seq(), self._query_pos())
         out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
-        return plan.run(dec.pools, layer, q, dec.scale, dec.window, out)
+        return plan.run_layer(dec.pools, layer, q, dec.scale, dec.window, out)

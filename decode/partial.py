@@ -3,8 +3,8 @@
 A sequence whose keys are spread over several holders (workers of `decode.distributed`, each with a contiguous
 range of positions) is attended in two steps: every holder computes the unnormalised softmax state of the query
 over its own keys (`partial_attention`), and the caller merges the states (`merge_partials`). Both run the
-decode kernel's own code: `decode_units` with one workspace slot per query (a unit holds every kv head), and
-`combine_items`, the merge of the kernel's flash-decoding split-K.
+per-query kernel's own code: `query_units` with one workspace slot per query (a unit holds every kv head), and
+`merge_items`, the merge of the kernel's split-K.
 
     m, l, acc = partial_attention(q, k_pages, v_pages, pages, lo, hi, scale)
     out = merge_partials(m_parts, l_parts, acc_parts)
@@ -21,15 +21,10 @@ An empty range gives m = -inf, l = 0, acc = 0 (it contributes nothing to the mer
 """
 import numpy as np
 
-from .attention import BLOCK_TOKENS, PREFETCH_BYTES
-from .kernels import decode_units
-from .kernels.decode import combine_items
+from .attention_plan import BLOCK_TOKENS, PREFETCH_BYTES, accumulator, compute_dtype, kernel_view
+from .kernels.per_query import merge_items, query_units
 
 _Q_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _compute_dtype(storage: np.dtype) -> np.dtype:
-    return np.dtype(np.float64) if storage == np.float64 else np.dtype(np.float32)
 
 
 def partial_attention(q, k_pages, v_pages, pages, lo, hi, scale: float):
@@ -42,7 +37,7 @@ def partial_attention(q, k_pages, v_pages, pages, lo, hi, scale: float):
                          f"{getattr(v_pages, 'shape', v_pages)!r}")
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
     head_dim_v = v_pages.shape[3]
-    compute = _compute_dtype(k_pages.dtype)
+    compute = compute_dtype(k_pages.dtype)
     if not (isinstance(q, np.ndarray) and q.ndim == 3 and q.dtype == compute and q.shape[2] == head_dim
             and q.shape[1] % num_kv_heads == 0 and q.shape[1] > 0):
         raise ValueError(f"q: expected a {compute} array [num_queries, num_q_heads, {head_dim}] with num_q_heads "
@@ -68,13 +63,13 @@ def partial_attention(q, k_pages, v_pages, pages, lo, hi, scale: float):
     units = np.array([(i, lo[i], hi[i], i) for i in range(num_queries) if hi[i] > lo[i]],
                      dtype=np.int64).reshape(-1, 4)                                # [U, 4] = (query, lo, hi, slot)
     if len(units):
-        if k_pages.dtype == np.float16:
-            k_pages, v_pages = k_pages.view(np.uint16), v_pages.view(np.uint16)
+        k_pages, v_pages = kernel_view(k_pages), kernel_view(v_pages)
         block = page_size * max(1, BLOCK_TOKENS // page_size)
         indptr = np.array([0, len(pages)], dtype=np.int64)
         unused_out = np.empty((num_queries, num_q_heads, head_dim_v), dtype=compute)
-        decode_units(q, k_pages, v_pages, pages, indptr, np.zeros(num_queries, np.int32), hi - 1, 0, float(scale),
-                     unused_out, units, 0, len(units), block, PREFETCH_BYTES, wm, wl, wacc)
+        query_units(q, k_pages, v_pages, None, None, pages, indptr, np.zeros(num_queries, np.int32), hi - 1, 0,
+                    float(scale), unused_out, units, 0, len(units), block, PREFETCH_BYTES, wm, wl, wacc,
+                    accumulator(compute))
     # the kernel keeps the max of the unscaled scores q.k; this module's contract is the max of the scaled ones
     return (wm.reshape(num_queries, num_q_heads) * compute.type(scale), wl.reshape(num_queries, num_q_heads),
             wacc.reshape(num_queries, num_q_heads, head_dim_v))
@@ -109,5 +104,5 @@ def merge_partials(m, l, acc, num_kv_heads: int) -> np.ndarray:
     wacc = np.ascontiguousarray(acc.reshape(m4.shape + (head_dim_v,))[sel_w, sel_i])     # [slots, H, G, Dv]
     items = np.array(items, dtype=np.int64).reshape(-1, 3)
     out = np.empty((num_queries, num_q_heads, head_dim_v), dtype=m.dtype)
-    combine_items(out, items, 0, len(items), wm, wl, wacc.astype(m.dtype, copy=False), 1.0)
+    merge_items(out, items, 0, len(items), wm, wl, wacc.astype(m.dtype, copy=False), 1.0)
     return out

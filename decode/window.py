@@ -1,4 +1,7 @@
 """Sliding windows: give back the pages no future query of a decoder can read."""
+import logging
+
+_log = logging.getLogger(__name__)
 
 
 def release_outside_window(decoder) -> None:
@@ -9,9 +12,9 @@ def release_outside_window(decoder) -> None:
 
 def release_after_commit(decoder) -> None:
     """`release_outside_window` once the tokens are committed: a failure now would report a failed call that
-    changed the cache, so it is absorbed; the release is atomic (nothing was given back) and the next commit
-    retries it."""
+    changed the cache, so it is not raised; the release is atomic (nothing was given back), the next commit
+    retries it, and the failure is logged (logger ``decode.window``, level WARNING)."""
     try:
         release_outside_window(decoder)
-    except Exception:
-        pass
+    except Exception as exc:                      # noqa: BLE001 (the tokens are committed; retried next commit)
+        _log.warning("sliding-window release of sequence %s deferred to the next commit: %r", decoder.seq, exc)

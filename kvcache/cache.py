@@ -37,6 +37,7 @@ from .appender import Appender
 from .checks import check_int
 from .config import CacheConfig
 from .core import CacheCore
+from .group import OpGroup
 from .prefix import PrefixIndex, check_namespace, check_token_ids
 from .sequence import Sequence
 from .transaction import TokenBatch, TokenWrite, Transaction
@@ -175,7 +176,15 @@ class KVCache:
             seq, core.next_id = core.next_id, core.next_id + 1
             core.sequences[seq] = s = Sequence()
             s.namespace = namespace
+            core.keep_for_group(None, lambda: core.forget_created(seq))
             return seq
+
+    def group(self, *, span_calls: bool = False) -> OpGroup:
+        """Sequence operations undone together (`kvcache.group.OpGroup`): ``with cache.group(): ...`` rolls
+        back every create_sequence / fork / free / truncate / release_before / match_prefix of the block if it
+        raises, sequence-id counter included. ``span_calls=True``: the group stays open across blocks until
+        ``close()`` or ``rollback()``."""
+        return OpGroup(self._core, span_calls)
 
     def token_ids(self, seq: int) -> np.ndarray:
         """``int32 [num_known]``: the token ids known for positions ``0 ..`` of ``seq`` (a copy)."""
@@ -249,6 +258,8 @@ class KVCache:
         """Reserve position `length` of each of ``seqs`` (distinct sequence ids) for one token each (the batched
         decode step); see `TokenBatch`. ``token_ids`` (optional): ``{seq: id}`` for some or all of them, for
         prefix caching. `CacheFullError` (and every argument error, checked first) with nothing changed."""
+        if type(seqs) is list and len(seqs) == 1 and token_ids is None:     # the decode step: no more to check
+            return TokenWrite(self._appender, seqs)
         if not isinstance(seqs, (list, tuple)) or not seqs:
             raise TypeError(f"seqs: expected a non-empty list of sequence ids, got {seqs!r}")
         if not all(type(seq) is int for seq in seqs):         # plain ints: their ids are checked by `TokenBatch`

@@ -6,7 +6,8 @@ input: the callers did. Every change is recorded in a `Journal` by the caller's 
 
 State: ``config``, ``pool`` (`PagePool`: the page arrays), ``allocator``, ``sequences`` ({id: `Sequence`}),
 ``next_id``, ``lock`` (re-entrant, guards all metadata), ``index`` (`PrefixIndex` or None), ``namespace``,
-``salt``, ``fault_hook`` (a callable of a fault point's name; tests).
+``salt``, ``fault_hook`` (a callable of a fault point's name; tests), ``group`` (the open `kvcache.group.OpGroup`
+or None).
 """
 import threading
 
@@ -33,6 +34,7 @@ class CacheCore:
         self.namespace = namespace
         self.salt = salt
         self.fault_hook = no_fault
+        self.group = None
 
     def fault(self, point: str) -> None:
         """The fault point ``point`` (the current hook decides whether it raises)."""
@@ -123,8 +125,9 @@ class CacheCore:
         s.held.append(old_page)
         journal.record(s.held.pop)
 
-    def atomically(self, change, publish) -> None:
-        """Run ``change(journal)``, then the fault point "publish", then ``publish()``; undo all on failure."""
+    def atomically(self, change, publish, unpublish=None) -> None:
+        """Run ``change(journal)``, then the fault point "publish", then ``publish()``; undo all on failure.
+        Inside an open `OpGroup` the undo steps (and ``unpublish``, the inverse of ``publish``) go to the group."""
         journal = Journal()
         try:
             change(journal)
@@ -133,3 +136,21 @@ class CacheCore:
             journal.rollback()
             raise
         publish()
+        self.keep_for_group(journal, unpublish)
+
+    def keep_for_group(self, journal: Journal | None, undo=None) -> None:
+        """Hand a finished operation's undo steps to the `OpGroup` open in this thread, if any."""
+        group = self.group
+        if group is None or group.thread != threading.get_ident():
+            return
+        if journal is not None:
+            group.journal.extend(journal)
+        if undo is not None:
+            group.journal.record(undo)
+
+    def forget_created(self, seq: int) -> None:
+        """Inverse of creating ``seq`` (by create_sequence, fork or match_prefix, its pages already given back):
+        drop it, and give its id back when no id was handed out after it."""
+        del self.sequences[seq]
+        if self.next_id == seq + 1:
+            self.next_id = seq

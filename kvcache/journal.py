@@ -38,6 +38,11 @@ class Journal:
             return
         self._undo.append(lambda: view.__setitem__(Ellipsis, np.frombuffer(data, view.dtype).reshape(view.shape)))
 
+    def extend(self, other: "Journal") -> None:
+        """Take over ``other``'s undo steps (they run after this journal's newer ones, before its older ones)."""
+        self._undo.extend(other._undo)
+        other._undo.clear()
+
     def rollback(self) -> None:
         while self._undo:
             self._undo.pop()()

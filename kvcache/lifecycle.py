@@ -17,11 +17,16 @@ def truncate(core: CacheCore, seq: int, n: int) -> None:
     s = core.idle_sequence(seq)
     n = check_int("n", n, minimum=s.first_live_page * core.config.page_size, maximum=s.length)
     keep = core.config.pages_for(n)
+    old = s.length, s.num_known, list(s.chain)
 
     def publish():
         s.length, s.num_known = n, min(s.num_known, n)
         del s.chain[n // core.config.page_size:]            # the records of pages [n // page_size, ..)
-    core.atomically(lambda journal: drop_pages(core, s, keep, journal), publish)
+
+    def unpublish():
+        s.length, s.num_known = old[0], old[1]
+        s.chain[:] = old[2]
+    core.atomically(lambda journal: drop_pages(core, s, keep, journal), publish, unpublish)
 
 
 def fork(core: CacheCore, seq: int) -> int:
@@ -38,7 +43,7 @@ def fork(core: CacheCore, seq: int) -> int:
     def register():
         core.sequences[new_id] = child
         core.next_id = new_id + 1
-    core.atomically(share, register)
+    core.atomically(share, register, lambda: core.forget_created(new_id))
     return new_id
 
 
@@ -46,7 +51,7 @@ def free(core: CacheCore, seq: int) -> None:
     """Return every page of ``seq`` to the pool and forget the sequence."""
     s = core.idle_sequence(seq)
     core.atomically(lambda journal: drop_pages(core, s, s.first_live_page, journal),
-                    lambda: core.sequences.pop(int(seq)))
+                    lambda: core.sequences.pop(int(seq)), lambda: core.sequences.__setitem__(int(seq), s))
 
 
 def release_before(core: CacheCore, seq: int, position: int) -> int:
@@ -59,7 +64,8 @@ def release_before(core: CacheCore, seq: int, position: int) -> int:
         for logical in range(s.first_live_page, first):
             release_entry(core, s, logical, journal)
     old_first = s.first_live_page
-    core.atomically(release, lambda: setattr(s, "first_live_page", first))
+    core.atomically(release, lambda: setattr(s, "first_live_page", first),
+                    lambda: setattr(s, "first_live_page", old_first))
     return first - old_first
 
 
@@ -95,7 +101,8 @@ def match_prefix(core: CacheCore, ids: np.ndarray, namespace: str) -> tuple[int,
     def register():
         core.sequences[new_id] = s
         core.next_id = new_id + 1
-    core.atomically(lambda journal: adopt(core, [e.page for e in entries], journal), register)
+    core.atomically(lambda journal: adopt(core, [e.page for e in entries], journal), register,
+                    lambda: core.forget_created(new_id))
     return new_id, hit
 
 

@@ -278,27 +278,39 @@ def run(cfg: DemoConfig, log=print) -> DemoResult:
 
     res.compile_s = warm_up(model, cfg)
     log(f"kernel warm-up (Numba compile or cache load): {res.compile_s:.2f} s")
-
-    dec, runs = greedy_both(model, cfg, prompt, log)
-    engine, naive = runs["engine"], runs["naive"]
-    res.tokens_engine, res.logits_engine, res.tokens_naive = engine["tokens"], engine["logits"], naive["tokens"]
-    logits_naive = naive["logits"]
-    res.engine_tokens_per_s, res.naive_tokens_per_s = cfg.tokens / engine["seconds"], cfg.tokens / naive["seconds"]
-    res.engine_attn_us = 1e6 * engine["attend_seconds"] / cfg.tokens
-    res.naive_attn_us = 1e6 * naive["attend_seconds"] / cfg.tokens
-
-    # no-cache float64 recomputation over the final sequence (every position the engine produced logits for)
-    seq = res.tokens_engine[:-1]                           # the last token was chosen, never fed
-    res.logits_reference = reference_logits(model.astype(np.float64), seq)
-    res.max_logit_error = float(np.max(np.abs(res.logits_engine - res.logits_reference)))
-    res.max_logit_error_naive = float(np.max(np.abs(logits_naive - res.logits_reference)))
-    top2 = np.sort(res.logits_reference[cfg.prompt - 1:], axis=-1)[:, -2:]
-    res.min_margin = float(np.min(top2[:, 1] - top2[:, 0]))
-
+    dec = _greedy_and_reference(res, model, cfg, prompt, log)
     res.tokens_spec, proposed, accepted, res.spec_rounds, logits_spec = speculative(model, cfg, prompt, log)
     res.acceptance = accepted / proposed
     res.spec_logit_diff = float(np.max(np.abs(logits_spec - res.logits_engine[cfg.prompt - 1:])))
+    _memory_figures(res, dec, cfg)
+    log("failing calls (the cache must come out byte for byte unchanged)")
+    res.rollback_checks = rollback_demo(model, dec, res.tokens_engine[-1], log)
+    res.checks = _checks(res, dec.config.bytes_per_page)
+    _log_summary(res, dec, (accepted, proposed), log)
+    return res
 
+
+def _greedy_and_reference(res: DemoResult, model, cfg: DemoConfig, prompt: list, log):
+    """Greedy decoding by the engine and by the naive cache (`greedy_both`), then the no-cache float64
+    recomputation over the final sequence (every position the engine produced logits for); fills ``res`` and
+    returns the engine's decoder."""
+    dec, runs = greedy_both(model, cfg, prompt, log)
+    engine, naive = runs["engine"], runs["naive"]
+    res.tokens_engine, res.logits_engine, res.tokens_naive = engine["tokens"], engine["logits"], naive["tokens"]
+    res.engine_tokens_per_s, res.naive_tokens_per_s = cfg.tokens / engine["seconds"], cfg.tokens / naive["seconds"]
+    res.engine_attn_us = 1e6 * engine["attend_seconds"] / cfg.tokens
+    res.naive_attn_us = 1e6 * naive["attend_seconds"] / cfg.tokens
+    seq = res.tokens_engine[:-1]                           # the last token was chosen, never fed
+    res.logits_reference = reference_logits(model.astype(np.float64), seq)
+    res.max_logit_error = float(np.max(np.abs(res.logits_engine - res.logits_reference)))
+    res.max_logit_error_naive = float(np.max(np.abs(naive["logits"] - res.logits_reference)))
+    top2 = np.sort(res.logits_reference[cfg.prompt - 1:], axis=-1)[:, -2:]
+    res.min_margin = float(np.min(top2[:, 1] - top2[:, 0]))
+    return dec
+
+
+def _memory_figures(res: DemoResult, dec, cfg: DemoConfig) -> None:
+    """Pages used, the formula's bytes and the pool's, beside each other."""
     cfg_cache = dec.config
     res.pages_total = cfg_cache.num_pages
     res.pages_used = cfg_cache.num_pages - dec.cache.num_free_pages
@@ -307,11 +319,9 @@ def run(cfg: DemoConfig, log=print) -> DemoResult:
     res.used_page_bytes = res.pages_used * cfg_cache.bytes_per_page
     res.pool_bytes = dec.cache.k_pages(0).nbytes * cfg.layers * 2
 
-    log("failing calls (the cache must come out byte for byte unchanged)")
-    res.rollback_checks = rollback_demo(model, dec, res.tokens_engine[-1], log)
 
-    generated = res.tokens_engine[cfg.prompt:]
-    res.checks = {
+def _checks(res: DemoResult, bytes_per_page: int) -> dict:
+    return {
         f"engine logits == float64 no-cache recomputation (max |error| {res.max_logit_error:.3g} "
         f"<= {res.tolerance:g})": res.max_logit_error <= res.tolerance,
         "naive concat cache decodes the same tokens": res.tokens_naive == res.tokens_engine,
@@ -319,10 +329,15 @@ def run(cfg: DemoConfig, log=print) -> DemoResult:
         f"speculative verify logits == greedy step logits (max |diff| {res.spec_logit_diff:.3g})":
             res.spec_logit_diff <= res.tolerance,
         "formula bytes <= bytes of used pages < formula + one page":
-            res.formula_bytes <= res.used_page_bytes < res.formula_bytes + cfg_cache.bytes_per_page,
+            res.formula_bytes <= res.used_page_bytes < res.formula_bytes + bytes_per_page,
         **res.rollback_checks,
     }
 
+
+def _log_summary(res: DemoResult, dec, drafts: tuple, log) -> None:
+    cfg, itemsize = res.config, dec.config.dtype.itemsize
+    accepted, proposed = drafts
+    generated = res.tokens_engine[cfg.prompt:]
     log("")
     log("summary")
     log(f"  generated        {len(generated)} tokens ({len(set(generated))} distinct), first 16: {generated[:16]}")
@@ -334,11 +349,11 @@ def run(cfg: DemoConfig, log=print) -> DemoResult:
     log(f"  cache pages      {res.pages_used} used / {res.pages_total} total "
         f"({dec.length} tokens, {cfg.page_size} per page)")
     log(f"  K/V bytes        formula 2*layers*batch*tokens*kv_heads*head_dim*bytes = 2*{cfg.layers}*1*{dec.length}"
-        f"*{cfg.num_kv_heads}*{cfg.head_dim}*{cfg_cache.dtype.itemsize} = {res.formula_bytes:,}; "
+        f"*{cfg.num_kv_heads}*{cfg.head_dim}*{itemsize} = {res.formula_bytes:,}; "
         f"used pages hold {res.used_page_bytes:,} (+{res.used_page_bytes - res.formula_bytes:,} in the last page's "
         f"empty slots); whole pool {res.pool_bytes:,}")
     log(f"  logits vs no-cache float64 recomputation: max |error| engine {res.max_logit_error:.3g}, "
-        f"naive {res.max_logit_error_naive:.3g} over {len(seq)} positions x {cfg.vocab} "
+        f"naive {res.max_logit_error_naive:.3g} over {len(res.tokens_engine) - 1} positions x {cfg.vocab} "
         f"(tolerance {res.tolerance:g} for {cfg.dtype} storage; smallest top-1/top-2 gap {res.min_margin:.3g})")
     log(f"  speculative      draft = the model with {cfg.draft_bits}-bit weights, k={cfg.spec_k}: "
         f"{accepted}/{proposed} drafts accepted ({100 * res.acceptance:.1f}%), {res.spec_rounds} verify passes "
@@ -346,7 +361,6 @@ def run(cfg: DemoConfig, log=print) -> DemoResult:
     log("checks")
     for name, passed in res.checks.items():
         log(f"  {'PASS' if passed else 'FAIL'}  {name}")
-    return res
 
 
 def config_from_args(args) -> DemoConfig:

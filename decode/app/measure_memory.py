@@ -254,6 +254,34 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
     layers, num_q_heads = check_int("layers", layers, minimum=1), check_int("num_q_heads", num_q_heads, minimum=1)
     tokens, head_dim = check_int("tokens", tokens, minimum=0), check_int("head_dim", head_dim, minimum=1)
     batch, page_size = check_int("batch", batch, minimum=1), check_int("page_size", page_size, minimum=1)
+    kv_list = _kv_head_counts(kv_heads, num_q_heads)
+    storage = check_storage_dtype("dtype", dtype)                    # the format's name
+    itemsize = storage_array_dtype(storage).itemsize
+    quantized = storage == "int8"
+    num_pages = max(1, batch * -(-tokens // page_size))
+
+    def token_bytes(kv):                                 # K and V of one token, all layers (int8: with scales)
+        scales = kv_scale_bytes_formula(layers, 1, 1, kv, head_dim) if quantized else 0
+        return layers * kv * 2 * head_dim * itemsize + scales
+
+    input_size = 4 if storage in ("int8", "bfloat16") else itemsize
+    shapes = [{"layers": layers, "kv_heads": kv, "head_dim": head_dim, "tokens": tokens, "batch": batch,
+               "page_size": page_size, "num_pages": num_pages, "dtype": storage,
+               "chunk": max(1, min(tokens, FILL_CHUNK_BYTES // (layers * kv * head_dim * input_size)))}
+              for kv in kv_list]
+    if measure:                                          # refuse before measuring anything
+        for shape in shapes:
+            _check_fits(shape, num_pages * page_size * token_bytes(shape["kv_heads"]))
+    rows = []
+    for shape in shapes:
+        result, naive = _measure_shape(shape, measure, naive_peak and not quantized, timeout)
+        rows.append(_report_row(shape, result, naive, num_q_heads, itemsize, quantized,
+                                page_size * token_bytes(shape["kv_heads"]), measure))
+    return rows
+
+
+def _kv_head_counts(kv_heads, num_q_heads: int) -> list[int]:
+    """``kv_heads`` (an int or several) checked: at least one, each a divisor of ``num_q_heads``."""
     kv_list = [kv_heads] if isinstance(kv_heads, numbers.Integral) else list(kv_heads)
     if not kv_list:
         raise ValueError("kv_heads: expected at least one KV-head count, got none")
@@ -261,71 +289,57 @@ def memory_report(layers=32, num_q_heads=32, kv_heads=(32, 8, 1), tokens=10_000,
     for kv in kv_list:
         if num_q_heads % kv:
             raise ValueError(f"kv_heads: expected a divisor of num_q_heads={num_q_heads}, got {kv}")
-    storage = check_storage_dtype("dtype", dtype)                    # the format's name
-    itemsize = storage_array_dtype(storage).itemsize
-    quantized = storage == "int8"
-    pages_per_seq = -(-tokens // page_size)
-    num_pages = max(1, batch * pages_per_seq)
+    return kv_list
 
-    def token_bytes(kv):                                 # K and V of one token, all layers (int8: with scales)
-        scales = kv_scale_bytes_formula(layers, 1, 1, kv, head_dim) if quantized else 0
-        return layers * kv * 2 * head_dim * itemsize + scales
 
-    shapes = []
-    for kv in kv_list:
-        input_size = 4 if storage in ("int8", "bfloat16") else itemsize
-        chunk = max(1, min(tokens, FILL_CHUNK_BYTES // (layers * kv * head_dim * input_size)))
-        shapes.append({"layers": layers, "kv_heads": kv, "head_dim": head_dim, "tokens": tokens, "batch": batch,
-                       "page_size": page_size, "num_pages": num_pages, "dtype": storage, "chunk": chunk})
-    if measure:                                          # refuse before measuring anything
-        for shape in shapes:
-            _check_fits(shape, num_pages * page_size * token_bytes(shape["kv_heads"]))
+def _measure_shape(shape: dict, measure: bool, naive_peak: bool, timeout: float) -> tuple[dict, dict]:
+    """``(result of _build_and_fill, naive-cache result or {})``: measured in fresh subprocesses, or (no
+    ``measure``) the accounting of a cache of the same pages with heads of size 1."""
+    if not measure:
+        twin = dict(shape, layers=1, kv_heads=1, head_dim=1, chunk=max(shape["chunk"], shape["tokens"] // 1000))
+        return _build_and_fill(twin, measure=False), {}
+    result = _measure_in_subprocess(shape, timeout)
+    naive = _measure_in_subprocess(dict(shape, naive=True), timeout) if naive_peak and shape["tokens"] else {}
+    return result, naive          # the naive cache holds floats: no int8 twin (``naive_peak`` is False for int8)
 
-    rows = []
-    for shape in shapes:
-        kv = shape["kv_heads"]
-        pool_bytes = num_pages * page_size * token_bytes(kv)
-        naive = {}
-        if measure:
-            result = _measure_in_subprocess(shape, timeout)
-            if naive_peak and tokens and not quantized:    # the naive cache holds floats: no int8 twin
-                naive = _measure_in_subprocess(dict(shape, naive=True), timeout)
-        else:                                            # same pages, heads of size 1: accounting only
-            twin = dict(shape, layers=1, kv_heads=1, head_dim=1, chunk=max(shape["chunk"], tokens // 1000))
-            result = _build_and_fill(twin, measure=False)
-        acc = result["accounting"]
-        values = kv_bytes_formula(layers, batch, tokens, kv, head_dim, itemsize)
-        scales = kv_scale_bytes_formula(layers, batch, tokens, kv, head_dim) if quantized else 0
-        formula = values + scales
-        used = acc["pages_used"] * page_size * token_bytes(kv)
-        rss = result.get("rss", {})
-        touched = rss.get("touched")
-        pool = result.get("pool_resident") or (None, None)
-        rows.append({
-            "attention": attention_kind(num_q_heads, kv),
-            "kv_heads": kv, "num_q_heads": num_q_heads, "layers": layers, "batch": batch, "tokens": tokens,
-            "head_dim": head_dim, "dtype": storage, "page_size": page_size, "num_pages": num_pages,
-            "formula_bytes": formula,
-            "formula_gib": formula / GIB,
-            "value_bytes": values,
-            "scale_bytes": scales,
-            "scale_overhead": scales / values if values else 0.0,
-            "allocated_bytes": pool_bytes,
-            "used_bytes": used,
-            "tail_waste_bytes": used - formula,
-            "metadata_bytes": acc["metadata_bytes"],
-            "rss_untouched_bytes": rss.get("untouched"),
-            "rss_one_token_bytes": rss.get("one_token"),
-            "rss_touched_bytes": touched,
-            "pool_resident_bytes": pool[0],
-            "pool_huge_page_bytes": pool[1],
-            "pool_over_formula": (pool[0] / formula) if (pool[0] is not None and formula) else None,
-            "measured_over_formula": (touched / formula) if (touched is not None and formula) else None,
-            "naive_peak_bytes": naive.get("naive_peak"),
-            "naive_peak_over_formula": naive["naive_peak"] / formula if naive and formula else None,
-            "measured": bool(measure),
-        })
-    return rows
+
+def _report_row(shape: dict, result: dict, naive: dict, num_q_heads: int, itemsize: int, quantized: bool,
+                page_bytes: int, measure: bool) -> dict:
+    """One row of `memory_report`: the formula, the pool (``page_bytes`` per page, all layers), the measured
+    fields."""
+    layers, kv, head_dim, tokens, batch = (shape[key] for key in ("layers", "kv_heads", "head_dim", "tokens", "batch"))
+    values = kv_bytes_formula(layers, batch, tokens, kv, head_dim, itemsize)
+    scales = kv_scale_bytes_formula(layers, batch, tokens, kv, head_dim) if quantized else 0
+    formula = values + scales
+    used = result["accounting"]["pages_used"] * page_bytes
+    rss = result.get("rss", {})
+    touched = rss.get("touched")
+    pool = result.get("pool_resident") or (None, None)
+    return {
+        "attention": attention_kind(num_q_heads, kv),
+        "kv_heads": kv, "num_q_heads": num_q_heads, "layers": layers, "batch": batch, "tokens": tokens,
+        "head_dim": head_dim, "dtype": shape["dtype"], "page_size": shape["page_size"],
+        "num_pages": shape["num_pages"],
+        "formula_bytes": formula,
+        "formula_gib": formula / GIB,
+        "value_bytes": values,
+        "scale_bytes": scales,
+        "scale_overhead": scales / values if values else 0.0,
+        "allocated_bytes": shape["num_pages"] * page_bytes,
+        "used_bytes": used,
+        "tail_waste_bytes": used - formula,
+        "metadata_bytes": result["accounting"]["metadata_bytes"],
+        "rss_untouched_bytes": rss.get("untouched"),
+        "rss_one_token_bytes": rss.get("one_token"),
+        "rss_touched_bytes": touched,
+        "pool_resident_bytes": pool[0],
+        "pool_huge_page_bytes": pool[1],
+        "pool_over_formula": (pool[0] / formula) if (pool[0] is not None and formula) else None,
+        "measured_over_formula": (touched / formula) if (touched is not None and formula) else None,
+        "naive_peak_bytes": naive.get("naive_peak"),
+        "naive_peak_over_formula": naive["naive_peak"] / formula if naive and formula else None,
+        "measured": bool(measure),
+    }
 
 
 # -- text table -----------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def cmd_serve(args) -> int:
         engine, served = build_engine(args)
         server = Server(engine, served, host=args.host, port=args.port, grace_s=args.timeout_graceful_shutdown,
                         log_level=args.log_level)
-    except (ValueError, OSError) as exc:
+    except (ValueError, TypeError, OSError) as exc:          # a bad flag value, a port in use
         print(f"kvengine serve: {exc}", file=sys.stderr)
         return 2
     stats = engine.stats()

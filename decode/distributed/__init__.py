@@ -7,7 +7,7 @@
 Importing this package imports ray (`import decode` never does) and sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 first, so that a local instance keeps to loopback (`decode.distributed.runtime`). See docs/distributed.md.
 """
-from .errors import NonLoopbackError, WorkerLostError
+from .failures import NonLoopbackError, WorkerLostError
 from .runtime import check_loopback, ray_processes, start_local_ray, stop_local_ray
 from .sharded import ShardedDecoder, ShardedTransaction
 from .pool import DecoderPool

@@ -21,7 +21,7 @@ import psutil
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from .errors import WorkerLostError
+from .failures import WorkerLostError
 from .runtime import check_loopback, start_local_ray, stop_local_ray
 from .shard import Shard
 

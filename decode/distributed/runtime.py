@@ -25,7 +25,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 from ray._private import ray_constants as _ray_constants  # noqa: E402
 
-from .errors import NonLoopbackError  # noqa: E402
+from .failures import NonLoopbackError  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 OBJECT_STORE_BYTES = 128 << 20

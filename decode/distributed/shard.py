@@ -1,6 +1,7 @@
 """What one worker holds and does: a `kvcache.KVCache` allocated in the worker, the decoders of its sequences,
-and the prepared (open, uncommitted) transactions of the two-phase protocol. Plain Python: the Ray actor in
-`decode.distributed.worker` only forwards calls to a `Shard`, so the same code runs (and is tested) in-process.
+and the prepared (open, uncommitted) transactions of the two-phase protocol. Plain Python: the Ray actor
+(`decode.distributed.cluster.ShardServer`) only forwards calls to a `Shard`, so the same code runs (and is tested)
+in-process.
 
 Two kinds of shard:
     "decoders"  each sequence is a `decode.Decoder` on the shard's pool (head sharding: the pool holds a subset

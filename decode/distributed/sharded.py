@@ -18,6 +18,7 @@ import numpy as np
 from kvcache import CacheFullError
 from kvcache.checks import check_int
 
+from ..decoder_transaction import CommitOnExit
 from .cluster import Cluster, raise_first
 from .placement import ContextLayout, HeadsLayout
 from .validate import Validator
@@ -310,7 +311,7 @@ class ShardedDecoder(ShardedSequence, WorkerControls):
     checkpoint.__doc__ = WorkerControls.checkpoint.__doc__
 
 
-class ShardedTransaction:
+class ShardedTransaction(CommitOnExit):
     """Tokens of one sharded sequence (or a batch of pool sequences) being written layer by layer on their
     workers; see `ShardedDecoder.transaction`. Errors and their order are those of `decode.DecoderTransaction`."""
 
@@ -328,15 +329,6 @@ class ShardedTransaction:
         self.parts: dict[int, dict[int, tuple]] = {}            # worker -> layer -> (k, v) written there
         self.layers: set[int] = set()
         self._open = True
-
-    def __enter__(self) -> "ShardedTransaction":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.rollback()
 
     # -- per layer ------------------------------------------------------------------------------------------
     def step(self, layer: int, q, k, v) -> np.ndarray:

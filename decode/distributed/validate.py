@@ -25,9 +25,9 @@ class Validator:
         # the full-size configuration is checked without allocating it (Decoder's own errors for bad arguments)
         full = CacheConfig.build(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  head_dim_v=head_dim_v, page_size=page_size, max_tokens=max_tokens, dtype=dtype)
-        if full.dtype == np.int8:
-            raise ValueError(f"dtype: expected float16, float32 or float64 for decode.distributed (int8 storage is "
-                             f"not sharded), got {dtype!r}")
+        if full.quantized or full.bfloat16:
+            raise ValueError(f"dtype: expected float16, float32 or float64 for decode.distributed (int8 and "
+                             f"bfloat16 storage are not sharded), got {dtype!r}")
         self.decoder = Decoder(num_q_heads, num_kv_heads, head_dim, head_dim_v, dtype, page_size,
                                max_tokens=page_size, scale=scale, window=window, num_layers=num_layers)
         self.config = self.decoder.config

@@ -15,6 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import paged_attention, paged_mask
 from .cache import PagedCache
+from .handoff import PagedAttentionRequired
 from .layout import ModelLayout, UnsupportedFeatureError, layout_of
 
 ATTN_IMPLEMENTATION = "pagedkv"
@@ -30,4 +31,4 @@ def register(name: str = ATTN_IMPLEMENTATION) -> str:
 
 register()
 
-__all__ = ["PagedCache", "ModelLayout", "UnsupportedFeatureError", "layout_of", "register", "ATTN_IMPLEMENTATION"]
+__all__ = ["PagedCache", "PagedAttentionRequired", "ModelLayout", "UnsupportedFeatureError", "layout_of", "register", "ATTN_IMPLEMENTATION"]

@@ -12,7 +12,7 @@ window), then passes on only the padding of the new columns; the kernels mask by
 import numpy as np
 import torch
 
-from .cache import take_current
+from . import handoff
 from .layout import UnsupportedFeatureError, check_supported
 
 try:                                   # how transformers 5.23 records output_attentions=True for every model
@@ -39,7 +39,6 @@ def _outputs_attentions(kwargs) -> bool:
 
 def _refuse(module, query, key, attention_mask, dropout, kwargs) -> None:
     """UnsupportedFeatureError naming the first feature of this call the kernels cannot compute exactly."""
-    check_supported(module.config)
     for name, feature in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise UnsupportedFeatureError(f"{name}: pagedkv computes plain softmax attention, got {feature}")
@@ -65,15 +64,19 @@ def _refuse(module, query, key, attention_mask, dropout, kwargs) -> None:
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention of one layer through the paged pool (registered as "pagedkv")."""
     layer = getattr(module, "layer_idx", None)
-    cache = take_current(layer)
-    _refuse(module, query, key, attention_mask, dropout, kwargs)
-    if cache is None:
+    given = handoff.take(layer)
+    check_supported(module.config)
+    if given is None or key is not given.pending_key or value is not given.pending_value:
         raise TypeError(f"past_key_values: attn_implementation='pagedkv' expected a decode.hf.PagedCache whose "
-                        f"update() ran for layer {layer} just before, got none (pass past_key_values=PagedCache("
-                        f"model.config, max_tokens=...) and use_cache=True)")
+                        f"update() ran for layer {layer} just before and handed over these K/V, got "
+                        f"none (a DynamicCache, StaticCache, "
+                        f"cache_implementation=... or use_cache=False does not reach the paged pool: pass "
+                        f"past_key_values=PagedCache(model.config, max_tokens=...) and use_cache=True)")
+    key, value = given.key, given.value
+    _refuse(module, query, key, attention_mask, dropout, kwargs)
     new_real = None if attention_mask is None else attention_mask.detach().cpu().numpy()
     window = int(kwargs.get("sliding_window") or 0)
-    out = cache.attend(layer, query, key, value, new_real, scaling, window)
+    out = given.cache.attend(layer, module.config, query, key, value, new_real, scaling, window)
     return out, None
 
 

@@ -22,20 +22,27 @@ rest), and gives the pool the prompt's token ids so its full pages are registere
         reused = cache.match_prefix(prompt_ids, mask)     # columns taken from the pool
         out = model.generate(prompt_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
 """
-import contextvars
-
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvcache import KVCache
+from kvcache import CacheFullError, KVCache
 
+from . import handoff, sizing, storage
 from .layout import ModelLayout, UnsupportedFeatureError, layout_of
 from .plan import ForwardPlan
 from .rows import RowColumns
 
-# (cache, layer) whose `update` ran last in this context: the attention call of that layer reads it once
-_CURRENT = contextvars.ContextVar("pagedkv_current_cache", default=None)
+
+# the config attributes `layout_of` reads (a change in any of them means another layout)
+_LAYOUT_ATTRIBUTES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+                      "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
+                      "attn_logit_softcapping", "is_encoder_decoder", "add_cross_attention", "is_causal",
+                      "n_layer", "n_head", "n_embd")
+
+
+def _frozen(value):
+    return tuple(value) if isinstance(value, list) else value
 
 
 class PagedLayer(CacheLayerMixin):
@@ -83,8 +90,14 @@ class PagedCache(Cache):
     ----------
     config : transformers.PretrainedConfig   the model's config (layers, KV heads, head_dim, sliding windows)
     max_tokens / num_pages : int             pool capacity over all rows (and forks) together; give one
-    dtype : "float16" | "float32" | "float64" | "int8"   storage dtype (int8: `kvcache.quant`); inputs are
-                                             converted, outputs come back in the model's dtype
+                                             (`PagedCache.for_generate` sizes it for a generate() call)
+    dtype : None | str | numpy or torch dtype   storage dtype: "float16", "bfloat16" (once kvcache stores it),
+                                             "float32", "float64", "int8" (`kvcache.quant`), or torch.float16 /
+                                             bfloat16 / float32 / float64. None (default): the model's dtype
+                                             (``config.dtype``, else the K/V of the first forward; a bfloat16
+                                             model gets bfloat16 pages, float32 in a build whose kernels
+                                             cannot read them).
+                                             Inputs are converted, outputs come back in the model's dtype
     page_size : int                          tokens per page
     prefix_caching : bool                    register full pages by token id, reuse them (`match_prefix`)
     namespace : str                          the pool's prefix namespace (name the model and its revision)
@@ -97,19 +110,43 @@ class PagedCache(Cache):
     Attributes
     ----------
     pool : kvcache.KVCache                   shared with every `fork` of this cache
-    stats : dict                             ``kernel_calls``, ``forwards``, ``tokens`` (real tokens stored)
+    stats : dict                             ``kernel_calls``, ``forwards``, ``tokens`` (real tokens stored),
+                                             ``deferred_releases`` (window releases that failed after a forward
+                                             landed; the pages go back at the next one)
     """
 
-    def __init__(self, config, *, max_tokens=None, num_pages=None, dtype="float32", page_size=16,
+    def __init__(self, config, *, max_tokens=None, num_pages=None, dtype=None, page_size=16,
                  kernel_threads: int | None = 1, prefix_caching=False, namespace=""):
         if kernel_threads is not None and (isinstance(kernel_threads, bool) or not isinstance(kernel_threads, int)
                                            or kernel_threads < 1):
             raise ValueError(f"kernel_threads: expected None or an int >= 1, got {kernel_threads!r}")
         layout = layout_of(config)
+        name = storage.storage_name(dtype)
+        model_dtype = storage.config_dtype(config)
+        pending = name is None and model_dtype is None          # known at the first forward (the model's K/V)
+        if name is None:
+            name = storage.for_model(model_dtype) if model_dtype is not None else "float32"
+        if name == "bfloat16" and not storage.kernels_take_storage():
+            raise ValueError("dtype: expected a storage the attention kernels read (float16, float32, float64, int8), "
+                             "got 'bfloat16' (kvcache stores it; this build's kernels have no bfloat16 loader yet)")
         pool = KVCache(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                       dtype=dtype, page_size=page_size, num_pages=num_pages, max_tokens=max_tokens,
+                       dtype=name, page_size=page_size, num_pages=num_pages, max_tokens=max_tokens,
                        prefix_caching=prefix_caching, namespace=namespace)
         self._setup(layout, pool, None, RowColumns(0), kernel_threads)
+        self._dtype_pending = pending
+
+    @classmethod
+    def for_generate(cls, config, batch_size: int, max_length: int, *, num_beams: int = 1, page_size: int = 16,
+                     **kwargs) -> "PagedCache":
+        """A cache sized for one ``generate()`` call: ``batch_size`` prompts, ``num_beams`` beams, up to
+        ``max_length`` columns per row (prompt columns, pads included, + max_new_tokens); `decode.hf.sizing`
+        says why ``batch_size * num_beams * (ceil(max_length / page_size) + 1)`` pages always suffice. Other
+        keyword arguments as for `PagedCache` (dtype, prefix_caching, ...)."""
+        if "max_tokens" in kwargs or "num_pages" in kwargs:
+            raise TypeError("for_generate: expected no max_tokens / num_pages (it computes them), got "
+                            f"{sorted(set(kwargs) & {'max_tokens', 'num_pages'})}")
+        pages = sizing.pages_for_generate(batch_size, max_length, page_size, num_beams)
+        return cls(config, num_pages=pages, page_size=page_size, **kwargs)
 
     def _setup(self, layout: ModelLayout, pool: KVCache, seqs, cols: RowColumns, kernel_threads) -> None:
         self.layout, self.pool, self.kernel_threads = layout, pool, kernel_threads
@@ -119,7 +156,11 @@ class PagedCache(Cache):
         self._record_past = False
         self._prompt_ids = None          # int64 [B, L]: token ids of the columns of the current prompt
         self._next_ids = None            # int64 [B, T]: the next forward's input_ids (`track_token_ids`)
-        self.stats = {"kernel_calls": 0, "forwards": 0, "tokens": 0}
+        self._fresh = None               # the first forward's (pool group, pool before it) until it commits
+        self._dtype_pending = False
+        self._prompt_columns = 0         # columns of the first forward (the prompt), for CacheFullError
+        self._checked_model = None       # `check_model`'s key of the config last found right
+        self.stats = {"kernel_calls": 0, "forwards": 0, "tokens": 0, "deferred_releases": 0}
 
     # -- transformers' queries ----------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -164,16 +205,16 @@ class PagedCache(Cache):
         attention call writes them into the pool: it knows which tokens are padding)."""
         if layer_idx == 0:
             self._settle()
-        _CURRENT.set((self, layer_idx))
-        return key_states, value_states
+        return handoff.handoff(self, layer_idx, key_states, value_states)
 
-    def attend(self, layer: int, query, key, value, new_real, scale, window: int) -> torch.Tensor:
+    def attend(self, layer: int, config, query, key, value, new_real, scale, window: int) -> torch.Tensor:
         """Write ``layer``'s new K/V and attend (see `ForwardPlan.run_layer`); the first layer of a forward
-        validates and plans it, the last commits it. Any failure rolls the forward back before it propagates."""
+        checks the model (``config``) against the cache, validates and plans it, the last commits it. Any
+        failure rolls the forward back before it propagates."""
         if self._plan is None:
             if layer != 0:
                 raise RuntimeError(f"layer: expected a forward to start at layer 0, got layer {layer}")
-            self._begin(query, key, value, new_real)
+            self._begin(config, query, key, new_real)
         plan = self._plan
         try:
             self._check_layer(layer, key, value, window)
@@ -186,36 +227,96 @@ class PagedCache(Cache):
             self._abandon()
             raise
 
-    def _begin(self, query, key, value, new_real) -> None:
+    def _begin(self, config, query, key, new_real) -> None:
+        self.check_model(config)
         batch, _, width, _ = query.shape
         if new_real is None:
             new_real = np.ones((batch, width), dtype=bool)
         if new_real.shape != (batch, width):
             raise ValueError(f"attention_mask: expected the new columns' padding mask [batch, new] = "
                              f"{(batch, width)}, got {tuple(new_real.shape)}")
+        fresh = self._seqs is None
+        if not fresh and batch != len(self._seqs):
+            raise ValueError(f"input batch: expected {len(self._seqs)} rows (the cache's; change them with "
+                             f"reorder_cache / batch_select_indices / batch_repeat_interleave, or reset()), got "
+                             f"{batch}")
+        held = np.zeros(batch, dtype=bool) if fresh else np.array([self.pool.length(s) > 0 for s in self._seqs])
+        empty = ~held & ~new_real.any(axis=1)
+        if empty.any():
+            raise UnsupportedFeatureError(f"attention_mask: expected every row to hold a real token, got rows "
+                                          f"{np.flatnonzero(empty).tolist()} all padding (nothing to attend: "
+                                          f"sdpa returns zeros there, eager NaN)")
         if any(self.layout.windows):
-            self._refuse_inner_padding(new_real)
+            self._refuse_inner_padding(new_real, held)
         ids = self._forward_ids(batch, width)
-        if self._seqs is None:
-            seqs = [self.pool.create_sequence() for _ in range(batch)]
-            try:
-                self._plan = ForwardPlan(self.pool, seqs, new_real, self.kernel_threads, ids)
-            except BaseException:
-                for seq in seqs:
-                    self.pool.free(seq)
-                raise
-            self._seqs, self._cols = seqs, RowColumns(batch)
+        if fresh:
+            self._begin_fresh(key.dtype, new_real, ids)
         else:
-            if batch != len(self._seqs):
-                raise ValueError(f"input batch: expected {len(self._seqs)} rows (the cache's; change them with "
-                                 f"reorder_cache / batch_select_indices / batch_repeat_interleave), got {batch}")
-            self._plan = ForwardPlan(self.pool, self._seqs, new_real, self.kernel_threads, ids)
+            self._follow_model_dtype(key.dtype, rebuild=False)
+            self._plan = self._plan_forward(self._seqs, new_real, ids)
 
-    def _refuse_inner_padding(self, new_real: np.ndarray) -> None:
+    def _begin_fresh(self, model_dtype, new_real, ids) -> None:
+        """The first forward: rows created in a pool group (undone with the forward if it fails, sequence-id
+        counter included), the pool rebuilt in the model's dtype when the dtype was left to it."""
+        old_pool = self.pool
+        self._follow_model_dtype(model_dtype)
+        group = self.pool.group(span_calls=True)
+        try:
+            with group:
+                seqs = [self.pool.create_sequence() for _ in range(len(new_real))]
+                self._prompt_columns = new_real.shape[1]
+                self._plan = self._plan_forward(seqs, new_real, ids)
+        except BaseException:
+            self.pool, self._prompt_columns = old_pool, 0
+            raise
+        self._fresh = (group, old_pool)
+        self._seqs, self._cols = seqs, RowColumns(len(new_real))
+
+    def _plan_forward(self, seqs, new_real, ids) -> ForwardPlan:
+        try:
+            return ForwardPlan(self.pool, seqs, new_real, self.kernel_threads, ids)
+        except CacheFullError as err:
+            used = self.pool.config.num_pages - self.pool.num_free_pages
+            raise sizing.explain_full(err, page_size=self.pool.config.page_size, rows=len(seqs),
+                                      columns=self._cols.columns, prompt_columns=self._prompt_columns,
+                                      forward_columns=new_real.shape[1], pages_used=used) from None
+
+    def _follow_model_dtype(self, model_dtype, rebuild: bool = True) -> None:
+        """dtype=None and no dtype in the config: the pool (float32 until now) takes the model's dtype; refused
+        when the pool is in use already (rows made by match_prefix)."""
+        if not self._dtype_pending:
+            return
+        name = storage.for_model(model_dtype)
+        if name == self.pool.config.storage:
+            return
+        if not rebuild or self.pool.sequences or self.pool.num_cached_pages:
+            raise ValueError(f"dtype: expected an explicit dtype for a cache used before its first forward "
+                             f"(match_prefix), got None; the pool holds {self.pool.config.storage} pages and the "
+                             f"model computes in {model_dtype}: build PagedCache(..., dtype={model_dtype})")
+        cfg = self.pool.config
+        self.pool = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                            dtype=name, page_size=cfg.page_size, num_pages=cfg.num_pages,
+                            prefix_caching=self.pool.prefix_caching, namespace=self.pool.namespace)
+
+    def check_model(self, config) -> None:
+        """ValueError unless ``config`` (the model's) has this cache's layout: layers, q / kv heads, head_dim,
+        sliding windows (a cache built for a deeper or shallower model, or another model's cache). The config
+        last found right is remembered by identity and the attributes the layout is read from (`layout_of`
+        takes ~0.3-0.9 ms)."""
+        key = (id(config),) + tuple(_frozen(getattr(config, name, None)) for name in _LAYOUT_ATTRIBUTES)
+        if key == self._checked_model:
+            return
+        got = layout_of(config)
+        if got == self.layout:
+            self._checked_model = key
+            return
+        if got != self.layout:
+            raise ValueError(f"past_key_values: expected a PagedCache built for this model ({got.describe()}), got "
+                             f"one built for {self.layout.describe()}")
+
+    def _refuse_inner_padding(self, new_real: np.ndarray, held: np.ndarray) -> None:
         """Sliding windows count columns in transformers (pads included) but pool positions here: the two agree
         only while every pad of a row comes before its first real token (left padding)."""
-        held = np.zeros(len(new_real), dtype=bool) if self._seqs is None else np.array(
-            [self.pool.length(s) > 0 for s in self._seqs])
         seen = held[:, None] | np.logical_or.accumulate(new_real, axis=1)            # [B, T] real token so far
         after_real = ~new_real[:, 1:] & seen[:, :-1]
         if (held & ~new_real[:, 0]).any() or after_real.any():
@@ -263,16 +364,17 @@ class PagedCache(Cache):
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask: expected shape {ids.shape} (input_ids'), got {mask.shape}")
         real_before = np.concatenate([np.zeros((len(ids), 1), np.int64), np.cumsum(mask, axis=1)], axis=1)
-        matches = [self.pool.match_prefix(row[keep]) if keep.any() else None for row, keep in zip(ids, mask)]
-        hits = np.array([0 if m is None else m.num_tokens for m in matches])
-        columns = ids.shape[1] - 1
-        while columns > 0 and (real_before[:, columns] > hits).any():
-            columns -= 1
-        seqs = []
-        for row, match in enumerate(matches):
-            seq = self.pool.create_sequence() if match is None else match.seq
-            self.pool.truncate(seq, int(real_before[row, columns]))
-            seqs.append(seq)
+        with self.pool.group():                         # every row's match, or none
+            matches = [self.pool.match_prefix(row[keep]) if keep.any() else None for row, keep in zip(ids, mask)]
+            hits = np.array([0 if m is None else m.num_tokens for m in matches])
+            columns = ids.shape[1] - 1
+            while columns > 0 and (real_before[:, columns] > hits).any():
+                columns -= 1
+            seqs = []
+            for row, match in enumerate(matches):
+                seq = self.pool.create_sequence() if match is None else match.seq
+                self.pool.truncate(seq, int(real_before[row, columns]))
+                seqs.append(seq)
         cols = RowColumns(len(ids))
         cols.extend(mask[:, :columns])
         self._seqs, self._cols, self._prompt_ids = seqs, cols, ids.astype(np.int64)
@@ -294,16 +396,27 @@ class PagedCache(Cache):
     def _commit(self, plan: ForwardPlan) -> None:
         plan.commit()
         self._plan = None
+        self._dtype_pending = False
+        if self._fresh is not None:
+            self._fresh[0].close()
+            self._fresh = None
         self._cols.extend(plan.new_real)
         self.stats["forwards"] += 1
         self.stats["tokens"] += plan.num_queries
         if not self._record_past:
-            self._release_window()
+            try:                # the forward has landed: a failure here keeps the pages (released next time)
+                self._release_window()
+            except Exception:
+                self.stats["deferred_releases"] += 1
 
     def _abandon(self) -> None:
         if self._plan is not None:
             plan, self._plan = self._plan, None
             plan.rollback()
+        if self._fresh is not None:                     # the first forward: its rows go, the pool is as before
+            (group, old_pool), self._fresh = self._fresh, None
+            group.rollback()
+            self.pool, self._seqs, self._cols = old_pool, None, RowColumns(0)
 
     def _settle(self) -> None:
         """Roll back a forward that failed between our calls (its transaction is still open)."""
@@ -311,14 +424,15 @@ class PagedCache(Cache):
             self._abandon()
 
     def _release_window(self) -> None:
-        """When every layer slides, give back the pages no future query can read."""
+        """When every layer slides, give back the pages no future query can read (all rows or none)."""
         window = self.layout.release_window
         if not window or self._seqs is None:
             return
-        for seq in self._seqs:
-            keep_from = self.pool.length(seq) - window + 1
-            if keep_from > self.pool.first_position(seq):
-                self.pool.release_before(seq, keep_from)
+        with self.pool.group():
+            for seq in self._seqs:
+                keep_from = self.pool.length(seq) - window + 1
+                if keep_from > self.pool.first_position(seq):
+                    self.pool.release_before(seq, keep_from)
 
     # -- rollback, beams, forks -----------------------------------------------------------------------------
     def activate_past_recording(self) -> None:
@@ -338,9 +452,12 @@ class PagedCache(Cache):
         if remove > self._cols.columns:
             raise ValueError(f"tokens_to_remove: expected at most {self._cols.columns} tokens (the cache's length), "
                              f"got {remove}")
+        with self.pool.group():                         # every row's truncate and release, or none
+            if remove:
+                self._truncate(self._cols.columns - remove)
+            self._release_window()
         if remove:
-            self._truncate(self._cols.columns - remove)
-        self._release_window()
+            self._cols.crop(self._cols.columns - remove)
 
     def _truncate(self, columns: int) -> None:
         lengths = self._cols.lengths_after_crop(columns)
@@ -353,7 +470,6 @@ class PagedCache(Cache):
                                  f"forwards that may be cropped)")
         for seq, n in zip(self._seqs, lengths):
             self.pool.truncate(seq, int(n))
-        self._cols.crop(columns)
 
     def reorder_cache(self, beam_idx) -> None:
         """Row i takes the tokens of row ``beam_idx[i]`` (beam search): pages are shared (fork), never copied;
@@ -386,10 +502,12 @@ class PagedCache(Cache):
                 owner.setdefault(src, new)
         for new, src in enumerate(rows.tolist()):
             owner.setdefault(src, new)
-        seqs = [old[src] if owner[src] == new else self.pool.fork(old[src]) for new, src in enumerate(rows.tolist())]
-        for row, seq in enumerate(old):
-            if row not in owner:
-                self.pool.free(seq)
+        with self.pool.group():                         # every fork and free, or none
+            seqs = [old[src] if owner[src] == new else self.pool.fork(old[src])
+                    for new, src in enumerate(rows.tolist())]
+            for row, seq in enumerate(old):
+                if row not in owner:
+                    self.pool.free(seq)
         self._seqs, self._cols = seqs, self._cols.select(rows)
         self._prompt_ids = None                          # rows moved: the prompt's ids no longer line up
 
@@ -397,9 +515,11 @@ class PagedCache(Cache):
         """An independent cache sharing every page of this one (copy-on-write; no K/V copied)."""
         self._settle()
         child = PagedCache.__new__(PagedCache)
-        seqs = None if self._seqs is None else [self.pool.fork(s) for s in self._seqs]
+        with self.pool.group():
+            seqs = None if self._seqs is None else [self.pool.fork(s) for s in self._seqs]
         child._setup(self.layout, self.pool, seqs, self._cols.copy(), self.kernel_threads)
-        child._record_past = self._record_past
+        child._record_past, child._dtype_pending = self._record_past, self._dtype_pending
+        child._prompt_columns = self._prompt_columns
         return child
 
     def __deepcopy__(self, memo) -> "PagedCache":
@@ -415,9 +535,10 @@ class PagedCache(Cache):
 
     def _free_rows(self) -> None:
         if self._seqs is not None:
-            seqs, self._seqs = self._seqs, None
-            for seq in seqs:
-                self.pool.free(seq)
+            with self.pool.group():
+                for seq in self._seqs:
+                    self.pool.free(seq)
+            self._seqs = None
 
     def __del__(self):
         try:
@@ -429,12 +550,3 @@ class PagedCache(Cache):
     def __repr__(self) -> str:
         return (f"PagedCache({self.layout.describe()}; rows {self.lengths()}, columns {self._cols.columns}; pool "
                 f"{self.pool.num_free_pages}/{self.pool.config.num_pages} pages free)")
-
-
-def take_current(layer: int):
-    """The `PagedCache` whose `update` just ran for ``layer`` in this context (cleared: it serves one call)."""
-    current = _CURRENT.get()
-    _CURRENT.set(None)
-    if current is None or current[1] != layer:
-        return None
-    return current[0]

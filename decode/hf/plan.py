@@ -6,6 +6,11 @@ Shapes (named dimensions; B = batch rows, T = new columns of this forward, N = r
     query  [B, num_q_heads, T, head_dim]      torch, as the model's attention module hands it over
     key    [B, num_kv_heads, T, head_dim]     the *new* states only (PagedCache.update returns them as given)
     new_real  bool [B, T]                     True where the new column is a real token (False: padding)
+
+Pad columns: their K/V are never stored, and a pad query with no real token at or before it in its row returns
+zeros; a pad query after real tokens (right or inner padding of a full-attention model) attends them all, as
+sdpa and eager compute it (only the key of the pad itself is masked), so a right-padded row's last column gives
+the same next token as theirs.
 """
 import numba
 import numpy as np
@@ -13,10 +18,20 @@ import torch
 
 from decode.attention import paged_decode_attention
 
+from .storage import kernels_take_storage
+
 # forwards with at least this many real queries (prefills) run the kernel on numba's threads: long enough that
 # torch's spinning OpenMP threads have gone idle (measured: a 4096-token prefill on 2 cores 16.2 s single-threaded
 # vs 11.8 s for sdpa; decode-sized calls are 5-20x slower on 2 threads, see docs/transformers.md)
 PARALLEL_QUERIES = 256
+
+
+_TAKES_STORAGE = kernels_take_storage()
+
+
+def _storage_kwargs(cfg) -> dict:
+    """``storage=`` for kernels that take it (bfloat16 pages are uint16 bits only the storage name tells apart)."""
+    return {"storage": cfg.storage} if _TAKES_STORAGE else {}
 
 
 class ForwardPlan:
@@ -38,53 +53,56 @@ class ForwardPlan:
         self.batch, self.width = batch, width
         counts = new_real.sum(axis=1, dtype=np.int64)                          # [B]
         starts = np.array([pool.length(s) for s in seqs], dtype=np.int64)      # pool length of each row
+        upto = starts[:, None] + np.cumsum(new_real, axis=1, dtype=np.int64)   # [B, T] real tokens through t
         ids = None if token_ids is None else {s: token_ids[b][new_real[b]] for b, s in enumerate(seqs)}
         self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)}, token_ids=ids)  # CacheFullError:
         # nothing changed
         try:
-            self._tables(seqs, counts, starts)
+            self._tables(seqs, counts, upto)
         except BaseException:
             self.tx.rollback()
             raise
         self.seqs = seqs
         self.layers_written = 0
 
-    def _tables(self, seqs, counts, starts) -> None:
+    def _tables(self, seqs, counts, upto) -> None:
         tables = [self.tx.pages(s) for s in seqs]
         self.page_indptr = np.zeros(self.batch + 1, dtype=np.int64)            # [B + 1]
         self.page_indptr[1:] = np.cumsum([len(t) for t in tables])
         self.page_indices = (np.concatenate(tables) if tables else np.zeros(0)).astype(np.int32)
-        offsets = np.zeros(self.batch + 1, dtype=np.int64)                     # [B + 1] query offsets
+        offsets = np.zeros(self.batch + 1, dtype=np.int64)                     # [B + 1] real-token offsets
         offsets[1:] = np.cumsum(counts)
-        self.num_queries = int(offsets[-1])
-        self.query_seq = np.repeat(np.arange(self.batch, dtype=np.int32), counts)        # [N]
-        rank = np.arange(self.num_queries, dtype=np.int64) - offsets[self.query_seq]      # [N] index in its row
-        self.query_pos = starts[self.query_seq] + rank                                    # [N]
+        self.num_queries = int(offsets[-1])                                    # N: real new tokens
         self.row_slices = [(int(seqs[b]), int(offsets[b]), int(offsets[b + 1]))
                            for b in range(self.batch) if counts[b]]
-        self.all_real = self.num_queries == self.batch * self.width
-        flat = np.flatnonzero(self.new_real.reshape(-1))                                  # [N] into B * T
-        self.flat = torch.from_numpy(flat)
+        cells = self.batch * self.width
+        attends = np.flatnonzero((self.new_real | (upto > 0)).reshape(-1))    # [Q] into B * T: computed queries
+        self.query_seq = (attends // self.width).astype(np.int32)                         # [Q]
+        self.query_pos = upto.reshape(-1)[attends] - 1                                    # [Q] its last real key
+        real = np.flatnonzero(self.new_real.reshape(-1))                                  # [N] into B * T
+        self.kv_index = None if len(real) == cells else torch.from_numpy(real)
+        self.q_index = None if len(attends) == cells else torch.from_numpy(attends)
 
-    def _real_rows(self, x: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-        """``x [B, H, T, D]`` -> the real tokens ``[N, H, D]`` as a numpy array of ``dtype``."""
+    @staticmethod
+    def _rows(x: torch.Tensor, dtype: torch.dtype, index) -> np.ndarray:
+        """``x [B, H, T, D]`` -> the tokens ``index`` (into B * T; None: all) ``[n, H, D]`` as numpy ``dtype``."""
         b, h, t, d = x.shape
         rows = x.detach().transpose(1, 2).reshape(b * t, h, d)                 # [B * T, H, D]
-        if not self.all_real:
-            rows = rows.index_select(0, self.flat)                             # [N, H, D]
+        if index is not None:
+            rows = rows.index_select(0, index)                                 # [n, H, D]
         return rows.to(dtype).contiguous().numpy()
 
     def run_layer(self, layer: int, query, key, value, scale, window: int) -> torch.Tensor:
         """Write ``layer``'s new K/V of every row, attend every real query over its row's pages (one kernel
         call) and return ``[B, T, num_q_heads, head_dim_v]`` in ``query``'s dtype (zeros for pad queries)."""
-        storage = self.pool.config.dtype
-        compute = torch.float64 if storage == np.float64 else torch.float32
+        cfg = self.pool.config
+        compute = torch.float64 if cfg.dtype == np.float64 else torch.float32
         kv_dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
-        k, v = self._real_rows(key, kv_dtype), self._real_rows(value, kv_dtype)           # [N, Hkv, D]
+        k, v = self._rows(key, kv_dtype, self.kv_index), self._rows(value, kv_dtype, self.kv_index)  # [N, Hkv, D]
         for seq, start, stop in self.row_slices:
             self.tx.write(layer, seq, k[start:stop], v[start:stop])
         self.layers_written += 1
-        q = self._real_rows(query, compute)                                               # [N, Hq, D]
+        q = self._rows(query, compute, self.q_index)                                      # [Q, Hq, D]
         threads = numba.get_num_threads()
         if self.kernel_threads is not None and self.num_queries < PARALLEL_QUERIES:
             numba.set_num_threads(min(self.kernel_threads, numba.config.NUMBA_NUM_THREADS))
@@ -92,15 +110,15 @@ class ForwardPlan:
             out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
                                          self.page_indptr, self.query_seq, self.query_pos, scale=scale,
                                          window=window, k_scales=self.pool.k_scales(layer),
-                                         v_scales=self.pool.v_scales(layer))              # [N, Hq, Dv]
+                                         v_scales=self.pool.v_scales(layer), **_storage_kwargs(cfg))  # [Q, Hq, Dv]
         finally:
             numba.set_num_threads(threads)
         result = torch.from_numpy(out).to(query.dtype)
         b, t = self.batch, self.width
-        if self.all_real:
+        if self.q_index is None:
             return result.reshape(b, t, *result.shape[1:])                                # [B, T, Hq, Dv]
         full = result.new_zeros((b * t,) + tuple(result.shape[1:]))                       # [B * T, Hq, Dv]
-        full.index_copy_(0, self.flat, result)
+        full.index_copy_(0, self.q_index, result)
         return full.reshape(b, t, *result.shape[1:])
 
     def commit(self) -> None:

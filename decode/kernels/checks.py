@@ -1,18 +1,28 @@
 """The validating wrapper's one-pass input check (the kernels themselves never check anything)."""
+from enum import IntEnum
+
 import numpy as np
 from numba import njit
 
 from . import cachedir  # noqa: F401
 
 
+class CheckCode(IntEnum):
+    """What `check_inputs` found (its first return value; the jitted code returns the plain integers)."""
+    OK = 0
+    BAD_INDPTR = 1          # page_indptr not non-decreasing within [0, len(page_indices)] (index: the entry)
+    BAD_PAGE = 2            # a page_indices entry outside [-1, num_pages)
+    BAD_SEQ = 3             # a query_seq entry outside [0, num_seqs)
+    BAD_POSITION = 4        # a query_pos outside [0, pages of the sequence * page_size)
+    FREED_PAGE = 5          # a visible position on a -1 page (index: the query)
+    NOT_FINITE = 6          # a non-finite q (flat index)
+    TOO_LARGE = 7           # a q value with |x| >= q_limit (it would overflow the compute dtype)
+
+
 @njit(cache=True)
 def check_inputs(q_flat, q_limit, page_indices, page_indptr, query_seq, query_pos, num_pages, page_size, window):
     """Validation for the wrapper (the kernels never check anything), one pass over each array.
-    Returns (code, index) of the first problem, code 0 = none:
-    1 page_indptr not non-decreasing within [0, len(page_indices)] (index: the entry),
-    2 a page_indices entry outside [-1, num_pages), 3 query_seq outside [0, num_seqs),
-    4 query_pos outside [0, pages of the sequence * page_size), 5 a visible position on a -1 page (index: query),
-    6 a non-finite q (flat index), 7 a q value with |x| >= q_limit (it would overflow the compute dtype)."""
+    Returns (code, index) of the first problem: the integer of a `CheckCode` (0 = none)."""
     n_bad = 0
     for i in range(q_flat.shape[0]):          # branch-free count (vectorised), then locate if needed
         n_bad += 0 if abs(q_flat[i]) < q_limit else 1

@@ -1,29 +1,22 @@
-"""Row-level pieces of the int8 kernels over one page tile of one kv head: the tile's scales converted once,
-int8 rows widened with their group scales into float32 rows (the single-query kernel's widened chunks and the
-tiled multi-query kernel's K/V blocks), and the single-query kernel's score and value passes per query-head
-group (`qk_int8` G < 4, `qk4_int8` G 4-7, `pv_folded` G < 4, `pv_int8` G >= 4). Shapes in each docstring;
-`decode.kernels.int8` walks the pages with them.
+"""The int8 row loader (int8 values + float16 group scales, `kvcache.quant`'s format) over one page tile of one kv
+head: int8 rows widened with their group scales into float32 rows (the per-query kernel's widened chunks and
+the tiled kernel's K/V blocks, `block_rows_int8`), and the per-query kernel's score and value passes per
+query-head group (`score_rows_int8`: `qk_int8` G < 4, `qk4_int8` G 4-7, widened G >= 8; `value_rows_int8`:
+`pv_folded` G < 4, `pv_int8` G >= 4). Shapes in each docstring; `decode.kernels.loaders` dispatches to them.
+Scales come as the tile's float32 conversion ``st [page_size * ceil(width / 32)]`` (`loaders.tile_scales`).
 """
 import numpy as np
 from numba import njit
 
-from .blocks import pv
+from .blocks import pv, qk, store4, store44
 from .int8_simd import GROUP, dot4_i8, dot44_i8, h2f_all, pv1_i8, pv4_i8, widen32
 from .simd import FAST
 
 
 @njit(cache=True, fastmath=FAST)
-def scales_f32(scales, st):
-    """st[t * G + g] = float32(scales[t, g]) for a whole page tile (scales [page_size, G] uint16 float16 bits),
-    one vectorised pass: converting one scale at a time where it is used chains every conversion to the previous
-    one through a register merge (vpinsrw; 48 cycles per 128-value row, measured)."""
-    h2f_all(scales, st)
-
-
-@njit(cache=True, fastmath=FAST)
 def widen_rows(src, st, r0, r1, dst):
     """dst[t - r0, d] = src[t, d] * st[t * G + d // 32] for t in [r0, r1): int8 rows and their group scales
-    (`scales_f32` of the page tile) -> float32 (exact: 8 x 11 significant bits). src [page_size, D] int8,
+    (`loaders.tile_scales` of the page tile) -> float32 (exact: 8 x 11 significant bits). src [page_size, D] int8,
     dst [>= r1 - r0, D] float32. Whole groups by `widen32`, a short last group element by element."""
     D = src.shape[1]
     full = D // GROUP
@@ -45,12 +38,10 @@ def pv_folded(S, c0, vp, st, s0, s1, acc):
     into the softmax weight (one multiply per row group), the int8 values converted inside the FMA pass
     (`pv1_i8`: each 32-lane group's accumulator in registers over all the rows). S [G, block] float32,
     vp [page_size, Dv] int8, st the page tile's
-    scales (`scales_f32`), acc [G, Dv] float32."""
-    G = acc.shape[0]
+    scales (`loaders.tile_scales`), acc [G, Dv] float32."""
     Dv = acc.shape[1]
-    full = Dv // GROUP
-    NG = -(-Dv // GROUP)
-    for g in range(G):
+    full, NG = Dv // GROUP, -(-Dv // GROUP)
+    for g in range(acc.shape[0]):
         ag = acc[g]
         w = S[g]
         if full > 0:
@@ -117,29 +108,9 @@ def qk4_int8(qs, kp, st, s0, s1, S, c0, kt):
     g4 = G - G % 4
     t4 = s0 + (s1 - s0) // 4 * 4
     for g in range(0, g4, 4):
-        S0 = S[g]
-        S1 = S[g + 1]
-        S2 = S[g + 2]
-        S3 = S[g + 3]
         c = c0
         for t in range(s0, t4, 4):
-            r = dot44_i8(qs, g, kp, t, st, NG, full)
-            S0[c] = r[0]
-            S0[c + 1] = r[1]
-            S0[c + 2] = r[2]
-            S0[c + 3] = r[3]
-            S1[c] = r[4]
-            S1[c + 1] = r[5]
-            S1[c + 2] = r[6]
-            S1[c + 3] = r[7]
-            S2[c] = r[8]
-            S2[c + 1] = r[9]
-            S2[c + 2] = r[10]
-            S2[c + 3] = r[11]
-            S3[c] = r[12]
-            S3[c + 1] = r[13]
-            S3[c + 2] = r[14]
-            S3[c + 3] = r[15]
+            store44(S, g, c, dot44_i8(qs, g, kp, t, st, NG, full))
             c += 4
     if full < NG:                                        # the short last group of the block rows
         for g in range(g4):
@@ -175,22 +146,16 @@ def qk_int8(qs, kp, st, s0, s1, S, c0):
     """S[g, c0 + t - s0] = qs[g] . (kp[t] * its group scales) for t in [s0, s1), straight from the int8 rows
     (`dot4_i8`: 4 rows per pass, the scale applied once per row group; for G < 4 query heads per kv head, where
     widening a tile first would be re-read by too few heads). qs [G, D], kp [page_size, D] int8, st the page
-    tile's scales (`scales_f32`), S [G, block]."""
-    G = qs.shape[0]
+    tile's scales (`loaders.tile_scales`), S [G, block]."""
     D = qs.shape[1]
-    full = D // GROUP
-    NG = -(-D // GROUP)
-    for g in range(G):
+    full, NG = D // GROUP, -(-D // GROUP)
+    for g in range(qs.shape[0]):
         qg = qs[g]
         Sg = S[g]
         t = s0
         c = c0
         while t + 4 <= s1:
-            r = dot4_i8(qg, kp, t, st, NG, full)
-            Sg[c] = r[0]
-            Sg[c + 1] = r[1]
-            Sg[c + 2] = r[2]
-            Sg[c + 3] = r[3]
+            store4(Sg, c, dot4_i8(qg, kp, t, st, NG, full), 0)
             t += 4
             c += 4
         while t < s1:
@@ -214,40 +179,46 @@ def qk_int8(qs, kp, st, s0, s1, S, c0):
 
 
 @njit(cache=True, fastmath=FAST)
-def widen_block(pool, scales, pages, h, b0, nb, nbp, dst):
-    """dst[j, :width] = the int8 rows of kv head h at absolute positions b0 + j (j < nb) of the sequence with page
-    row `pages`, each value times its group's scale (float32); rows nb..nbp-1 zero. The tiled multi-query
-    kernel's K/V block (a tile-local scratch: the pool is read directly, never copied dequantized). Each page's
-    run of scales is converted to float32 in one vectorised pass (`h2f_all`: one conversion at a time where it
-    is used would chain them through a register merge), then whole groups are widened by `widen32`, a short last
-    group element by element. pool [num_pages, num_kv_heads, page_size, width] int8, scales [num_pages,
-    num_kv_heads, page_size, ceil(width / 32)] uint16 (float16 bits), dst [>= nbp, >= width] float32."""
-    P = pool.shape[2]
-    W = pool.shape[3]
-    NG = scales.shape[3]
+def block_rows_int8(tile, scales, s0, s1, dst, j, st):
+    """dst[j + s - s0, :width] = int8 rows s0..s1-1 of a page tile [page_size, width], each value times its group's
+    scale (float32; scales [page_size, ceil(width / 32)] uint16 float16 bits, converted in one vectorised pass
+    into st, `h2f_all`): the tiled kernel's K/V block rows, read from the pool (no dequantized copy of it)."""
+    W = tile.shape[1]
+    NG = scales.shape[1]
     full = W // GROUP
-    st = np.empty(min(nb, P) * NG, np.float32)
-    t = b0
-    j = 0
-    while j < nb:
-        pg = t // P
-        s0 = t - pg * P
-        s1 = min(P, s0 + nb - j)
-        tile = pool[pages[pg], h]
-        h2f_all(scales[pages[pg], h, s0:s1], st)
-        for s in range(s0, s1):
-            src = tile[s]
-            out = dst[j + s - s0]
-            k = (s - s0) * NG
-            for g in range(full):
-                widen32(src, g * GROUP, out, g * GROUP, st[k + g])
-            if full < NG:
-                sc = st[k + full]
-                for d in range(full * GROUP, W):
-                    out[d] = np.float32(src[d]) * sc
-        j += s1 - s0
-        t += s1 - s0
-    for jj in range(nb, nbp):
-        row = dst[jj]
-        for d in range(W):
-            row[d] = 0.0
+    h2f_all(scales[s0:s1], st)
+    for s in range(s0, s1):
+        src = tile[s]
+        out = dst[j + s - s0]
+        k = (s - s0) * NG
+        for g in range(full):
+            widen32(src, g * GROUP, out, g * GROUP, st[k + g])
+        if full < NG:
+            sc = st[k + full]
+            for d in range(full * GROUP, W):
+                out[d] = np.float32(src[d]) * sc
+
+
+@njit(cache=True, fastmath=FAST)
+def score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt):
+    """Scores of qh [G, D] (float32) against int8 rows r0..r1-1 of kp with the tile's scales st (float32): G < 4
+    straight from the int8 rows (`qk_int8`), G 4-7 4 x 4 blocks (`qk4_int8`), else a widened chunk (`widen_rows`,
+    kt [>= r1 - r0, D]) reused by every head (`blocks.qk`)."""
+    G = qh.shape[0]
+    if G < 4:
+        qk_int8(qh, kp, st, r0, r1, Sh, c)
+    elif G < 8 and qh.shape[1] >= GROUP:
+        qk4_int8(qh, kp, st, r0, r1, Sh, c, kt)
+    else:
+        widen_rows(kp, st, r0, r1, kt)
+        qk(qh, kt, 0, r1 - r0, Sh, c)
+
+
+@njit(cache=True, fastmath=FAST)
+def value_rows_int8(Sh, c, vp, st, r0, r1, ah, vt):
+    """ah[g, :] += sum_t Sh[g, c + t - r0] * (vp[t] * its scales): G < 4 the scale folded into the weight
+    (`pv_folded`), else `pv_int8` (vt [>= r1 - r0, Dv] scratch)."""
+    if ah.shape[0] < 4:
+        pv_folded(Sh, c, vp, st, r0, r1, ah)
+    else:
+        pv_int8(Sh, c, vp, st, r0, r1, ah, vt)

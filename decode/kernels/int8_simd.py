@@ -143,26 +143,28 @@ if JIT:
     def _h2f_all_ov(src, dst):
         return lambda src, dst: _h2f_all(src, dst)
 
+    def _pv_types(S, g, c, vp, st, nsg, t0, t1, acc, ng):
+        return (_is(S, types.float32, 2) and _is(vp, types.int8, 2) and _is(st, types.float32, 1)
+                and _is(acc, types.float32, 2) and all(isinstance(x, types.Integer) for x in (g, c, nsg, t0, t1, ng)))
+
+    def _pv_args(context, builder, sig, args):
+        """The PV blocks' operands: arrays S, vp, st, acc; the integers g, c, nsg, t0, t1, ng as int64; the row
+        lengths of S, vp and acc; llvm.fma on 32 floats."""
+        arrays = [context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 3, 4, 8)]
+        ints = tuple(context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 5, 6, 7, 9))
+        cols = tuple(_cg.unpack_tuple(builder, arrays[i].shape, 2)[1] for i in (0, 1, 3))
+        fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v32f32")
+        return (*arrays, ints, cols, fma)
+
     @intrinsic
     def _pv4_i8(typingctx, S, g, c, vp, st, nsg, t0, t1, acc, ng):
-        if not (_is(S, types.float32, 2) and _is(vp, types.int8, 2) and _is(st, types.float32, 1)
-                and _is(acc, types.float32, 2)
-                and all(isinstance(x, types.Integer) for x in (g, c, nsg, t0, t1, ng))):
+        if not _pv_types(S, g, c, vp, st, nsg, t0, t1, acc, ng):
             return None
 
         def codegen(context, builder, sig, args):
             i64 = _ir.IntType(64)
-            sa = context.make_array(sig.args[0])(context, builder, args[0])
-            va = context.make_array(sig.args[3])(context, builder, args[3])
-            ta = context.make_array(sig.args[4])(context, builder, args[4])
-            aa = context.make_array(sig.args[8])(context, builder, args[8])
-            g_, c_, nsg_, t0_, t1_, ng_ = (context.cast(builder, args[i], sig.args[i], types.int64)
-                                           for i in (1, 2, 5, 6, 7, 9))
-            scols = _cg.unpack_tuple(builder, sa.shape, 2)[1]
-            vcols = _cg.unpack_tuple(builder, va.shape, 2)[1]
-            acols = _cg.unpack_tuple(builder, aa.shape, 2)[1]
-            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
-                                             "llvm.fma.v32f32")
+            sa, va, ta, aa, (g_, c_, nsg_, t0_, t1_, ng_), (scols, vcols, acols), fma = _pv_args(context, builder,
+                                                                                                  sig, args)
             heads = [builder.add(g_, _ir.Constant(i64, a)) for a in range(4)]
             slots = [_cg.alloca_once(builder, _VF) for _ in range(4)]
             with _cg.for_range_slice(builder, _ir.Constant(i64, 0), ng_, _ir.Constant(i64, 1)) as (grp, _):
@@ -187,26 +189,15 @@ if JIT:
 
     @intrinsic
     def _pv1_i8(typingctx, S, g, c, vp, st, nsg, t0, t1, acc, ng):
-        if not (_is(S, types.float32, 2) and _is(vp, types.int8, 2) and _is(st, types.float32, 1)
-                and _is(acc, types.float32, 2)
-                and all(isinstance(x, types.Integer) for x in (g, c, nsg, t0, t1, ng))):
+        if not _pv_types(S, g, c, vp, st, nsg, t0, t1, acc, ng):
             return None
 
         def codegen(context, builder, sig, args):
             """Per 32-lane group: the accumulator in registers over all rows; per row one scalar weight
             p * scale and one FMA per 16 lanes on the converted int8 values."""
             i64 = _ir.IntType(64)
-            sa = context.make_array(sig.args[0])(context, builder, args[0])
-            va = context.make_array(sig.args[3])(context, builder, args[3])
-            ta = context.make_array(sig.args[4])(context, builder, args[4])
-            aa = context.make_array(sig.args[8])(context, builder, args[8])
-            g_, c_, nsg_, t0_, t1_, ng_ = (context.cast(builder, args[i], sig.args[i], types.int64)
-                                           for i in (1, 2, 5, 6, 7, 9))
-            scols = _cg.unpack_tuple(builder, sa.shape, 2)[1]
-            vcols = _cg.unpack_tuple(builder, va.shape, 2)[1]
-            acols = _cg.unpack_tuple(builder, aa.shape, 2)[1]
-            fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_VF, [_VF, _VF, _VF]),
-                                             "llvm.fma.v32f32")
+            sa, va, ta, aa, (g_, c_, nsg_, t0_, t1_, ng_), (scols, vcols, acols), fma = _pv_args(context, builder,
+                                                                                                  sig, args)
             srow = builder.gep(sa.data, [builder.sub(builder.add(builder.mul(g_, scols), c_), t0_)])
             slot = _cg.alloca_once(builder, _VF)
             with _cg.for_range_slice(builder, _ir.Constant(i64, 0), ng_, _ir.Constant(i64, 1)) as (grp, _):

@@ -23,9 +23,12 @@ EXP_FLAGS = {"nnan", "ninf", "nsz", "contract"}  # no reassoc: it would undo the
 
 
 def ld(x):
-    """Storage element -> compute value (float16 bits are widened exactly; floats pass through)."""
+    """Storage element -> compute value, exactly: uint16 = float16 bits, int16 = bfloat16 bits (widened by a 16-bit
+    shift into a float32's high half), floats pass through."""
     if isinstance(x, np.uint16):
         return np.float32(x.view(np.float16))
+    if isinstance(x, np.int16):
+        return (np.uint32(x.view(np.uint16)) << np.uint32(16)).view(np.float32)
     return x
 
 
@@ -50,14 +53,18 @@ if JIT:
     from llvmlite import ir as _ir
 
     @intrinsic
-    def _h2f(typingctx, x):
-        if x != types.uint16:
+    def _bits2f(typingctx, x):
+        """float16 bits (uint16) or bfloat16 bits (int16) -> float32, exactly."""
+        if x not in (types.uint16, types.int16):
             return None
 
         def codegen(context, builder, sig, args):
-            return builder.fpext(builder.bitcast(args[0], _ir.HalfType()), _ir.FloatType())
+            if sig.args[0] == types.uint16:
+                return builder.fpext(builder.bitcast(args[0], _ir.HalfType()), _ir.FloatType())
+            i32 = _ir.IntType(32)
+            return builder.bitcast(builder.shl(builder.zext(args[0], i32), _ir.Constant(i32, 16)), _ir.FloatType())
 
-        return types.float32(types.uint16), codegen
+        return types.float32(x), codegen
 
     @intrinsic
     def _pow2_intrinsic(typingctx, n):
@@ -128,8 +135,8 @@ if JIT:
 
     @overload(ld)
     def _ld_ov(x):
-        if x == types.uint16:
-            return lambda x: _h2f(x)
+        if x in (types.uint16, types.int16):
+            return lambda x: _bits2f(x)
         if isinstance(x, types.Float):
             return lambda x: x
         return None
@@ -151,19 +158,38 @@ if JIT:
 
 
 def row_f(x):
-    """A storage row as compute values (NumPy; used by the no-JIT twins)."""
-    return x.view(np.float16).astype(np.float32) if x.dtype == np.uint16 else x
+    """A storage row as compute values (NumPy; used by the no-JIT twins): float16 / bfloat16 bits widened."""
+    if x.dtype == np.uint16:
+        return x.view(np.float16).astype(np.float32)
+    if x.dtype == np.int16:
+        return (x.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return x
 
 
-def dot44(qs, g, kp, t, n):
-    """16 dot products qs[g + a, :n] . kp[t + b, :n] (a, b < 4), a-major, accumulated in qs's dtype (float64 qs:
-    the key rows are widened exactly, every product is exact and the sums carry ~2**-53 relative error)."""
-    return tuple(np.dot(qs[g + a, :n], row_f(kp[t + b, :n])) for a in range(4) for b in range(4))
+def dot44(qs, g, kp, t, n, last):
+    """16 dot products qs[g + a, :n] . kp[min(t + b, last), :n] (a, b < 4), a-major, accumulated in qs's dtype
+    (float64 qs: the key rows are widened exactly, every product is exact and the sums carry ~2**-53 relative
+    error). Rows past ``last`` repeat row ``last`` (a short last block: every key through the same lanes)."""
+    return tuple(_dot(qs[g + a, :n], row_f(kp[min(t + b, last), :n])) for a in range(4) for b in range(4))
 
 
-def dot14(qs, g, kp, t, n):
-    """4 dot products qs[g, :n] . kp[t + b, :n] (b < 4)."""
-    return tuple(np.dot(qs[g, :n], row_f(kp[t + b, :n])) for b in range(4))
+def dot14(qs, g, kp, t, n, last):
+    """4 dot products qs[g, :n] . kp[min(t + b, last), :n] (b < 4)."""
+    return tuple(_dot(qs[g, :n], row_f(kp[min(t + b, last), :n])) for b in range(4))
+
+
+def _dot(x, y):
+    """x . y in x's dtype, summed as the IR blocks do: per lane of a 16 (float32) or 8 (float64) lane vector in
+    order, then the lanes pairwise (their butterfly; float32 lanes in float64, rounded once at the end)."""
+    lanes = 8 if x.dtype == np.float64 else 16
+    acc = np.zeros(lanes, x.dtype)
+    for i in range(0, len(x), lanes):
+        k = min(lanes, len(x) - i)
+        acc[:k] += x[i:i + k] * y[i:i + k].astype(x.dtype)
+    acc = acc.astype(np.float64)
+    while len(acc) > 1:
+        acc = acc[: len(acc) // 2] + acc[len(acc) // 2:]
+    return x.dtype.type(acc[0])
 
 
 def pv4(S, g, c, vp, t0, t1, acc, n):
@@ -193,16 +219,24 @@ if JIT:
         cols = _cg.unpack_tuple(builder, ary.shape, 2)[1]
         return builder.gep(ary.data, [builder.mul(row, cols)])
 
-    def _vload(context, builder, ptr, storage, lanes, vt):
-        """<lanes x compute> from ptr (storage element type); float16 bits and float32 (into a float64 vector) are
-        widened exactly."""
-        ety = context.get_value_type(storage)
-        x = builder.load(builder.bitcast(ptr, _ir.VectorType(ety, lanes).as_pointer()), align=storage.bitwidth // 8)
+    def _widen(builder, x, storage, lanes, vt):
+        """A loaded <lanes x storage> vector as <lanes x compute>, exactly: float16 bits (uint16) by fpext,
+        bfloat16 bits (int16) by a 16-bit shift into float32's high half, float32 into float64 by fpext."""
         if storage == types.uint16:
             x = builder.fpext(builder.bitcast(x, _ir.VectorType(_ir.HalfType(), lanes)), vt)
-        elif x.type != vt:
+        elif storage == types.int16:
+            wide = builder.shl(builder.zext(x, _ir.VectorType(_I32, lanes)),
+                               _ir.Constant(_ir.VectorType(_I32, lanes), [16] * lanes))
+            x = builder.bitcast(wide, _ir.VectorType(_ir.FloatType(), lanes))
+        if x.type != vt:
             x = builder.fpext(x, vt)
         return x
+
+    def _vload(context, builder, ptr, storage, lanes, vt):
+        """<lanes x compute> from ptr (storage element type), widened exactly (`_widen`)."""
+        ety = context.get_value_type(storage)
+        x = builder.load(builder.bitcast(ptr, _ir.VectorType(ety, lanes).as_pointer()), align=storage.bitwidth // 8)
+        return _widen(builder, x, storage, lanes, vt)
 
     def _vload_masked(context, builder, ptr, storage, lanes, vt, mask):
         """`_vload` of the lanes where mask is set (the others read nothing and are zero)."""
@@ -213,11 +247,7 @@ if JIT:
                                         name)
         x = builder.call(fn, [builder.bitcast(ptr, it.as_pointer()), _ir.Constant(_I32, storage.bitwidth // 8), mask,
                               _ir.Constant(it, None)])
-        if storage == types.uint16:
-            x = builder.fpext(builder.bitcast(x, _ir.VectorType(_ir.HalfType(), lanes)), vt)
-        elif it != vt:
-            x = builder.fpext(x, vt)
-        return x
+        return _widen(builder, x, storage, lanes, vt)
 
     def _fma(builder, vt, lanes):
         name = "llvm.fma.v%d%s" % (lanes, "f64" if lanes == 8 else "f32")
@@ -260,20 +290,29 @@ if JIT:
                 out[k] = builder.extract_element(v, _ir.Constant(_I32, lane))
         return out
 
+    def _widen_halves(builder, acc):
+        """<16 x float> -> <8 x double>: its low and high halves widened exactly and added (one rounding)."""
+        dv = _ir.VectorType(_ir.DoubleType(), 8)
+        lo = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_I32, 8), list(range(8))))
+        hi = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_I32, 8), list(range(8, 16))))
+        return builder.fadd(builder.fpext(lo, dv), builder.fpext(hi, dv))
+
     def _make_dot(ng, nt):
-        def typer(typingctx, qs, g, kp, t, n):
+        def typer(typingctx, qs, g, kp, t, n, last):
             if not (isinstance(qs, types.Array) and isinstance(kp, types.Array) and qs.ndim == 2 and kp.ndim == 2
                     and isinstance(qs.dtype, types.Float)):
                 return None
 
             def codegen(context, builder, sig, args):
-                qty, _, kty, _, _ = sig.args
+                qty, _, kty, _, _, _ = sig.args
                 lanes = _lanes(qty.dtype)
                 ft = context.get_value_type(qty.dtype)
                 vt = _ir.VectorType(ft, lanes)
-                g_, t_, n_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 3, 4))
+                g_, t_, n_, last_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 3, 4, 5))
                 qrows = [_row(context, builder, qty, args[0], builder.add(g_, _ir.Constant(_I64, a))) for a in range(ng)]
-                krows = [_row(context, builder, kty, args[2], builder.add(t_, _ir.Constant(_I64, b))) for b in range(nt)]
+                kidx = [builder.add(t_, _ir.Constant(_I64, b)) for b in range(nt)]
+                kidx = [builder.select(builder.icmp_signed(">", k, last_), last_, k) for k in kidx]
+                krows = [_row(context, builder, kty, args[2], k) for k in kidx]
                 slots = [_cg.alloca_once_value(builder, _ir.Constant(vt, None)) for _ in range(ng * nt)]
                 fma = _fma(builder, vt, lanes)
                 rem = builder.srem(n_, _ir.Constant(_I64, lanes))
@@ -297,10 +336,15 @@ if JIT:
                                                    _ir.Constant(_ir.VectorType(_I32, lanes), [0] * lanes))
                     mask = builder.icmp_signed("<", lane_ids, splat)
                     step(full, lambda ptr, st: _vload_masked(context, builder, ptr, st, lanes, vt, mask))
-                sums = _reduce_many(builder, [builder.load(sl) for sl in slots], lanes)
+                accs = [builder.load(sl) for sl in slots]
+                if lanes == 16:         # float32 lanes: their sums in float64, one rounding into each score
+                    accs = [_widen_halves(builder, a) for a in accs]
+                    sums = [builder.fptrunc(x, ft) for x in _reduce_many(builder, accs, 8)]
+                else:
+                    sums = _reduce_many(builder, accs, lanes)
                 return context.make_tuple(builder, sig.return_type, sums)
 
-            return types.UniTuple(qs.dtype, ng * nt)(qs, g, kp, t, n), codegen
+            return types.UniTuple(qs.dtype, ng * nt)(qs, g, kp, t, n, last), codegen
         return intrinsic(typer)
 
     def _make_pv(ng, nvec):
@@ -353,12 +397,12 @@ if JIT:
     _pv1_ir = _make_pv(1, 2)
 
     @overload(dot44)
-    def _dot44_ov(qs, g, kp, t, n):
-        return lambda qs, g, kp, t, n: _dot44_ir(qs, g, kp, t, n)
+    def _dot44_ov(qs, g, kp, t, n, last):
+        return lambda qs, g, kp, t, n, last: _dot44_ir(qs, g, kp, t, n, last)
 
     @overload(dot14)
-    def _dot14_ov(qs, g, kp, t, n):
-        return lambda qs, g, kp, t, n: _dot14_ir(qs, g, kp, t, n)
+    def _dot14_ov(qs, g, kp, t, n, last):
+        return lambda qs, g, kp, t, n, last: _dot14_ir(qs, g, kp, t, n, last)
 
     @overload(pv4)
     def _pv4_ov(S, g, c, vp, t0, t1, acc, n):

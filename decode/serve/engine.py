@@ -14,8 +14,9 @@ forward), `decode.serve.sampler` (token choice), `decode.serve.output_text` (det
 import itertools
 import time
 
-import numpy as np
 import torch
+
+from kvcache import CacheConfig
 
 from .loading import (attention_scale, attention_shape, dtype_name, eos_ids, load_model, load_tokenizer,
                       parse_memory, pool_dtype)
@@ -65,6 +66,9 @@ class Engine:
         _positive("block_size", block_size)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         _positive("max_num_seqs", max_num_seqs)
+        if max_num_batched_tokens < max_num_seqs:          # else the first running requests take every step's
+            raise ValueError(f"max_num_batched_tokens: expected >= max_num_seqs ({max_num_seqs}), so that every "
+                             f"running request decodes each step, got {max_num_batched_tokens}")   # budget (as vLLM)
         if kv_cache_memory is not None and max_tokens is not None:
             raise ValueError(f"kv_cache_memory/max_tokens: expected at most one of them, got kv_cache_memory="
                              f"{kv_cache_memory!r} and max_tokens={max_tokens!r}")
@@ -84,6 +88,7 @@ class Engine:
                              page_size=block_size, dtype=storage, prefix_caching=enable_prefix_caching,
                              scale=attention_scale(self.model, layout.head_dim), namespace=str(self.model_name))
         self.kv_cache_dtype = storage
+        self.pool_tokens = num_pages * block_size
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs)
         self.runner = ModelRunner(self.model, self.pool)
         self.sampler = Sampler(seed)
@@ -95,9 +100,9 @@ class Engine:
 
     def _sizes(self, layout, storage, block_size, kv_cache_memory, max_tokens, max_model_len, max_num_seqs):
         """(pool pages, max_model_len) from the budget and the model's context."""
-        bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * np.dtype(storage).itemsize
-        if storage == "int8":
-            bytes_per_token += 2 * layout.num_layers * layout.num_kv_heads * -(-layout.head_dim // 32) * 2
+        bytes_per_token = CacheConfig.build(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                                            head_dim=layout.head_dim, page_size=block_size, num_pages=1,
+                                            dtype=storage).bytes_per_token          # int8: its scales included
         context = int(getattr(self.model.config, "max_position_embeddings", 0) or 2048)
         if max_model_len is not None:
             context = _positive("max_model_len", max_model_len)
@@ -109,7 +114,7 @@ class Engine:
             tokens = min(DEFAULT_KV_CACHE_MEMORY // bytes_per_token, max_num_seqs * context)
         num_pages = tokens // block_size
         if num_pages < 1:
-            raise ValueError(f"kv_cache_memory: expected room for at least one page of {block_size} tokens "
+            raise ValueError(f"kv_cache_memory/max_tokens: expected room for at least one page of {block_size} tokens "
                              f"({block_size * bytes_per_token} bytes), got {tokens} tokens")
         capacity = num_pages * block_size
         if max_model_len is None:
@@ -157,7 +162,8 @@ class Engine:
             raise RequestRejected("prompt_token_ids", "expected at least one token id, got an empty prompt")
         if len(prompt) >= self.max_model_len:
             raise RequestRejected("prompt_token_ids", f"expected at most {self.max_model_len - 1} tokens (max_model_len "
-                                                      f"{self.max_model_len} leaves room for one generated token), got "
+                                                      f"{self.max_model_len}, at most the pool's {self.pool_tokens} "
+                                                      f"tokens, leaves room for one generated token), got "
                                                       f"{len(prompt)}")
         for i, token in enumerate(prompt):
             if isinstance(token, bool) or not hasattr(token, "__index__") or not 0 <= token < self.vocab_size:
@@ -182,12 +188,16 @@ class Engine:
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling iteration (one packed forward): the outputs of every request that got a token or
-        finished (aborted ones included), plus any made while `generate` / `stream` ran steps."""
-        outputs, self._undelivered = self._undelivered, []
+        finished (aborted ones included), plus any made while `generate` / `stream` ran steps.
+
+        If the forward raises, its K/V writes are rolled back and every request keeps the tokens it had (the
+        pool is byte-identical but for the step's admissions and preemptions, which stand); the next step
+        retries."""
         batch = self.scheduler.schedule()
-        if not len(batch):
+        logits = self.runner.forward(batch) if len(batch) else None       # (a failure keeps undelivered outputs)
+        outputs, self._undelivered = self._undelivered, []
+        if logits is None:
             return outputs
-        logits = self.runner.forward(batch)
         sampled = [r for r in batch.requests if r.num_to_compute == 0]
         tokens = self.sampler.sample(logits, sampled) if sampled else []
         now = time.monotonic()
@@ -257,11 +267,14 @@ class Engine:
 
     # -- state ------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
+        """Pool and request counters (see docs/serving.md); ``recomputed_tokens_total``: tokens preempted
+        requests had to compute again on re-admission (those not found in the prefix cache)."""
         s = self.scheduler
         return {**self.pool.stats(), "requests_running": len(s.running), "requests_waiting": len(s.waiting),
                 "preemptions_total": s.preemptions_total,
                 "prefix_cache_hit_tokens_total": s.prefix_cache_hit_tokens_total,
-                "prompt_tokens_total": s.prompt_tokens_total, "generation_tokens_total": self.generation_tokens_total}
+                "prompt_tokens_total": s.prompt_tokens_total, "generation_tokens_total": self.generation_tokens_total,
+                "recomputed_tokens_total": s.recomputed_tokens_total}
 
     def check_invariants(self) -> None:
         """AssertionError unless the pool's invariants hold, its sequences are exactly the running requests',

@@ -50,25 +50,23 @@ class PackedForward:
         return torch.from_numpy(out).to(query.dtype)[None]           # [1, N, num_q_heads, head_dim_v]
 
 
-def _refuse(module, query, key, attention_mask, scaling, dropout, kwargs, forward: PackedForward) -> None:
-    for name, feature in _REFUSED_KWARGS.items():
-        if kwargs.get(name):
-            raise UnsupportedFeatureError(f"{name}: the engine computes plain causal softmax attention, got {feature}")
-    if getattr(module, "is_cross_attention", False) or not getattr(module, "is_causal", True) \
-            or key.shape[2] != query.shape[2]:
-        raise UnsupportedFeatureError("cross-attention / non-causal attention: the engine attends causally over the "
-                                      "cached self-attention K/V only")
-    if dropout:
-        raise UnsupportedFeatureError(f"dropout: the engine is for inference (model.eval()), got dropout={dropout}")
-    if attention_mask is not None:
-        raise UnsupportedFeatureError(f"attention_mask: the engine masks by position, got a prepared mask "
-                                      f"{tuple(getattr(attention_mask, 'shape', ()))}")
-    if query.shape[0] != 1 or query.shape[2] != forward.num_tokens:
-        raise ValueError(f"query: expected [1, num_q_heads, {forward.num_tokens}, head_dim] (the packed tokens), got "
-                         f"{tuple(query.shape)}")
-    if scaling is not None and float(scaling) != forward.scale:
-        raise UnsupportedFeatureError(f"scaling: the engine's decoders attend with scale {forward.scale}, layer "
-                                      f"{getattr(module, 'layer_idx', None)} asks for {scaling} (per-layer scales)")
+def _refusal(module, query, key, attention_mask, scaling, dropout, kwargs, forward: PackedForward) -> str | None:
+    """What of this call the engine cannot compute exactly (the message), or None."""
+    refused = [f"{name}: the engine computes plain causal softmax attention, got {feature}"
+               for name, feature in _REFUSED_KWARGS.items() if kwargs.get(name)]
+    self_attention = not getattr(module, "is_cross_attention", False) and key.shape[2] == query.shape[2]
+    checks = (
+        (self_attention and getattr(module, "is_causal", True),
+         "cross-attention / non-causal attention: the engine attends causally over its own cached K/V only"),
+        (not dropout, f"dropout: the engine is for inference (model.eval()), got dropout={dropout}"),
+        (attention_mask is None, f"attention_mask: the engine masks by position, got a prepared mask "
+                                 f"{tuple(getattr(attention_mask, 'shape', ()))}"),
+        (scaling is None or float(scaling) == forward.scale,
+         f"scaling: the engine's decoders attend with scale {forward.scale}, layer "
+         f"{getattr(module, 'layer_idx', None)} asks for {scaling} (per-layer scales)"),
+    )
+    refused += [message for ok, message in checks if not ok]
+    return refused[0] if refused else None
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -77,7 +75,12 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if forward is None:
         raise TypeError(f"attn_implementation={ATTN_IMPLEMENTATION!r}: expected a forward run by decode.serve.Engine "
                         f"(Engine.step), got a call outside it")
-    _refuse(module, query, key, attention_mask, scaling, dropout, kwargs, forward)
+    refused = _refusal(module, query, key, attention_mask, scaling, dropout, kwargs, forward)
+    if refused:
+        raise UnsupportedFeatureError(refused)
+    if query.shape[0] != 1 or query.shape[2] != forward.num_tokens:
+        raise ValueError(f"query: expected [1, num_q_heads, {forward.num_tokens}, head_dim] (the packed tokens), got "
+                         f"{tuple(query.shape)}")
     return forward.attend(module.layer_idx, query, key, value), None
 
 

@@ -29,6 +29,7 @@ class Request:
         self.decoder = None
         self.status = WAITING
         self.num_cached_tokens = None           # the prefix hit at the first admission
+        self.num_preempted = 0                  # tokens it had in the pool when last preempted
         self.first_token_time = None
         self.finish_reason = None
         self.stop_reason = None

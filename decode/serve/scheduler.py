@@ -46,6 +46,7 @@ class Scheduler:
         self.preemptions_total = 0
         self.prefix_cache_hit_tokens_total = 0
         self.prompt_tokens_total = 0
+        self.recomputed_tokens_total = 0        # tokens computed again after a preemption (not found cached)
 
     def add(self, request) -> None:
         self.waiting.append(request)
@@ -103,6 +104,8 @@ class Scheduler:
                 request.num_cached_tokens = hit
                 self.prefix_cache_hit_tokens_total += hit
                 self.prompt_tokens_total += len(request.prompt)
+            else:
+                self.recomputed_tokens_total += max(0, request.num_preempted - hit)
             batch.add(request, count)
             budget -= count
             promised += need
@@ -111,6 +114,7 @@ class Scheduler:
     def preempt(self, request) -> None:
         """Release ``request``'s pages and put it at the front of the waiting queue (recomputed later)."""
         self.running.remove(request)
+        request.num_preempted = request.num_computed
         self.pool.detach(request)
         request.status = WAITING
         self.waiting.appendleft(request)

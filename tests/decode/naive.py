@@ -60,3 +60,52 @@ def decode(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
         V = gather(v_pages, page_indices, page_indptr, s, p + 1)[lo:]
         out[i] = _attend(q[i], K, V, scale, dtype, score_dtype)
     return out
+
+
+# -- the float32 accuracy budget (DEVELOPERS.md, issue 20) -------------------------------------------------------
+ATOL, FACTOR = 1e-6, 3.0
+
+
+def torch_decode(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window):
+    """`decode` computed by torch SDPA in float32 (one call per query over its dense K/V), or None when torch is
+    not importable (it comes with the hf extra)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    out = np.empty((q.shape[0], q.shape[1], v_pages.shape[3]), dtype=np.float32)
+    for i in range(q.shape[0]):
+        s, p = int(query_seq[i]), int(query_pos[i])
+        lo = visible(p, window)
+        K = gather(k_pages, page_indices, page_indptr, s, p + 1)[lo:].astype(np.float32)
+        V = gather(v_pages, page_indices, page_indptr, s, p + 1)[lo:].astype(np.float32)
+        qt = torch.from_numpy(np.ascontiguousarray(q[i], dtype=np.float32))[None, :, None, :]
+        kt = torch.from_numpy(np.ascontiguousarray(K.transpose(1, 0, 2)))[None]
+        vt = torch.from_numpy(np.ascontiguousarray(V.transpose(1, 0, 2)))[None]
+        with torch.no_grad():
+            o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, scale=float(scale), enable_gqa=True)
+        out[i] = o[0, :, 0, :].numpy()
+    return out
+
+
+def budget(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, ref=None):
+    """The allowed max error of a float32-score result against the float64 oracle ``ref`` (computed if None):
+    ``1e-6 + 3 x max(plain NumPy float32 error, torch SDPA float32 error, sqrt(head_dim) x the float32-score
+    floor)``, the floor being the error of the oracle with each exact score q.k rounded once to float32.
+    Pages: the stored values as floats (float16 / bfloat16 / int8 storage: the dequantized K/V)."""
+    args = (q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window)
+    ref = decode(*args) if ref is None else ref
+    errors = [np.abs(decode(*args, dtype=np.float32) - ref).max(),
+              np.sqrt(q.shape[2]) * np.abs(decode(*args, score_dtype=np.float32) - ref).max()]
+    plain_torch = torch_decode(*args)
+    if plain_torch is not None:
+        errors.append(np.abs(plain_torch - ref).max())
+    return ATOL + FACTOR * max(errors)
+
+
+def budget_dense(q, K, V, start, scale, window, ref=None):
+    """`budget` for queries q [T, Hq, D] at positions start.. of one sequence with dense K, V [n, Hkv, .]."""
+    n = K.shape[0]
+    pages = np.arange(n, dtype=np.int32)
+    return budget(q, K[:, :, None, :], V[:, :, None, :], pages, np.array([0, n]), np.zeros(len(q), np.int32),
+                  start + np.arange(len(q)), scale, window, ref)

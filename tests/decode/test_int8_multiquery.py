@@ -3,7 +3,7 @@ widened from int8 + float16 group scales into the tile's float32 block) against 
 the *dequantized* K/V: |out - oracle| <= 1e-6 + 3 * err_numpy, err_numpy the max error of the same plain NumPy
 computation in float32 on the same dequantized values (the float32 budget of the other storage dtypes).
 
-Runs of >= `decode.multiquery.MIN_RUN` queries go to it (the float path's threshold), the other queries to the
+Runs of >= `decode.attention_plan.MIN_RUN` queries go to it (the float path's threshold), the other queries to the
 int8 single-query kernel. Marked `kernel`: CI reruns these with NUMBA_DISABLE_JIT=1 and NUMBA_BOUNDSCHECK=1 on
 --reduced-grid.
 """
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from decode import Decoder, batch_extend
-from decode import attention as _attention
-from decode import multiquery as MQ
+from decode import attention_plan as MQ
+from decode.attention_plan import attend_unchecked
 from kvcache import KVCache, quant
 from reference.dense import decode_reference
 
@@ -31,7 +31,7 @@ _scenes = _load("decode_int8_kernel_scene", "test_int8_kernel.py")
 Int8Scene, naive = _scenes.Int8Scene, _scenes.naive
 
 pytestmark = pytest.mark.kernel
-ATOL, FACTOR = 1e-6, 3.0
+ATOL = naive.ATOL
 MODES = ((1, 0), (2, 0), (2, 5))          # serial, parallel, parallel with key-range parts of 5 tokens
 
 
@@ -42,7 +42,7 @@ def runs_scene(rng, *, lengths, runs, singles=(), **kw):
 
 
 def tiled(scene, mode=0, split_tokens=0):
-    """The tiled kernel alone (`decode.multiquery.attend_runs` with the scales); every query must be in a run."""
+    """The tiled kernel alone (`decode.attention_plan.attend_runs` with the scales); every query must be in a run."""
     out = np.full((len(scene.q), scene.q.shape[1], scene.v_pages.shape[3]), np.nan, dtype=np.float32)
     rest = MQ.attend_runs(scene.q, scene.k_pages, scene.v_pages, *scene.tables(), scene.scale, scene.window, out,
                           mode=mode, split_tokens=split_tokens, k_scales=scene.k_scales, v_scales=scene.v_scales)
@@ -53,7 +53,7 @@ def tiled(scene, mode=0, split_tokens=0):
 def single(scene):
     """Every query through the int8 single-query kernel (one query at a time)."""
     out = np.empty((len(scene.q), scene.q.shape[1], scene.v_pages.shape[3]), dtype=np.float32)
-    return _attention._paged_decode_attention_unchecked(scene.q, scene.k_pages, scene.v_pages, *scene.tables(),
+    return attend_unchecked(scene.q, scene.k_pages, scene.v_pages, *scene.tables(),
                                                         scene.scale, scene.window, out, mode=1, tiled=False,
                                                         k_scales=scene.k_scales, v_scales=scene.v_scales)
 
@@ -123,7 +123,7 @@ def test_equals_one_query_at_a_time_within_budget(reduced_grid):
     scene.check(b)
     args = (scene.q, scene.k_deq, scene.v_deq, *scene.tables(), scene.scale, scene.window)
     ref = naive.decode(*args)
-    budget = ATOL + FACTOR * np.abs(naive.decode(*args, dtype=np.float32) - ref).max()
+    budget = naive.budget(*args, ref=ref)
     assert np.abs(a - b).max() <= 2 * budget
 
 
@@ -131,43 +131,36 @@ def test_routing_runs_of_three_or_more(monkeypatch):
     """Runs of >= MIN_RUN (3) queries reach the tiled kernel with the scales; shorter runs and single queries
     the single-query kernel; every output within budget."""
     seen = []
-    attend_runs = MQ.attend_runs
+    tiles_run, init = MQ.TilePlan.run, MQ.AttentionPlan.__init__
 
-    def spy(*args, **kw):
-        seen.append(kw.get("k_scales") is not None)
-        rest = attend_runs(*args, **kw)
-        seen.append(len(rest))
-        return rest
+    def spy_run(self, q, k_pages, v_pages, k_scales, *args):
+        seen.append(k_scales is not None)
+        return tiles_run(self, q, k_pages, v_pages, k_scales, *args)
 
-    monkeypatch.setattr(_attention._multiquery, "attend_runs", spy)
+    def spy_init(self, *args, **kw):
+        init(self, *args, **kw)
+        seen.append(len(self.query_pos) if self.rest is None else len(self.rest))
+
+    monkeypatch.setattr(MQ.TilePlan, "run", spy_run)
+    monkeypatch.setattr(MQ.AttentionPlan, "__init__", spy_init)
     rng = np.random.default_rng(5)
     scene = runs_scene(rng, num_kv_heads=2, group=4, head_dim=40, page_size=4, lengths=(20, 9),
                        runs=((0, 10, MQ.MIN_RUN), (1, 2, MQ.MIN_RUN - 1)), singles=((0, 4),))
     scene.check(scene.run())
-    assert seen == [True, MQ.MIN_RUN - 1 + 1]                  # the short run and the single query: the rest
+    assert seen == [MQ.MIN_RUN - 1 + 1, True]                  # the short run and the single query: the rest
     seen.clear()
     short = runs_scene(rng, num_kv_heads=2, group=4, head_dim=40, page_size=4, lengths=(9,),
                        runs=((0, 2, MQ.MIN_RUN - 1),))
     short.check(short.run())
-    assert seen == [True, MQ.MIN_RUN - 1]                       # nothing tiled
+    assert seen == [MQ.MIN_RUN - 1]                             # nothing tiled
 
 
 # -- through the Decoder: prefill, extend after a cache, batch_extend ----------------------------------------------
 def _budget_check(q, K, V, start, scale, window, out):
     """out [T, Hq, Dv] of queries q at positions start.. over dense dequantized K, V [n, Hkv, .]."""
     ref = decode_reference(q.astype(np.float64), K, V, start, scale, window or None)
-    K32, V32 = K.astype(np.float32), V.astype(np.float32)
-    G = q.shape[1] // K.shape[1]
-    plain = np.empty_like(ref)
-    for t in range(len(q)):
-        p = start + t
-        lo = max(0, p - window + 1) if window else 0
-        for h in range(q.shape[1]):
-            s = (K32[lo:p + 1, h // G] @ q[t, h].astype(np.float32)) * np.float32(scale)
-            e = np.exp(s - s.max())
-            plain[t, h] = (e @ V32[lo:p + 1, h // G]) / e.sum()
     err = np.abs(out - ref).max()
-    budget = ATOL + FACTOR * np.abs(plain - ref).max()
+    budget = naive.budget_dense(q, K, V, start, scale, window or 0, ref)
     assert err <= budget, f"max error {err:.3g} > {budget:.3g}"
 
 

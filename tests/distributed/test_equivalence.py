@@ -179,8 +179,9 @@ def test_configuration_errors():
         ShardedDecoder(workers=2, shard="rows", **args)
     with pytest.raises(ValueError, match="window: expected None with shard='context'"):
         ShardedDecoder(workers=2, shard="context", window=8, **args)
-    with pytest.raises(ValueError, match="dtype: expected float16, float32 or float64 for decode.distributed"):
-        ShardedDecoder(workers=2, shard="heads", **dict(args, dtype="int8"))
+    for storage in ("int8", "bfloat16"):
+        with pytest.raises(ValueError, match="dtype: expected float16, float32 or float64 for decode.distributed"):
+            ShardedDecoder(workers=2, shard="heads", **dict(args, dtype=storage))
     for bad in (dict(num_q_heads=3), dict(dtype="int16"), dict(page_size=0), dict(max_tokens=0)):
         single = error_of(lambda: Decoder(**dict(args, **bad)))
         assert single is not None and error_of(lambda: ShardedDecoder(2, "heads", **dict(args, **bad))) == single

@@ -49,6 +49,14 @@ def model_pair(arch: str, dtype=torch.float32):
     return _MODELS[key]
 
 
+def build(config, attn_implementation: str, dtype=torch.float64, seed: int = 1234):
+    """A model of ``config`` on ``attn_implementation`` with seeded random weights, eval mode. Built from its own
+    copy of the config: transformers' from_config writes the implementation into the config it is given."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                            attn_implementation=attn_implementation).to(dtype).eval()
+
+
 def paged_cache(model, dtype="float32", max_tokens=2048, page_size=4):
     return PagedCache(model.config, max_tokens=max_tokens, dtype=dtype, page_size=page_size)
 

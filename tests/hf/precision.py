@@ -44,16 +44,37 @@ def float16_storage(arch: str, steps: int = 12) -> dict:
     return summary(exact, plain, ours, cache, paged_model)
 
 
-def bfloat16_model(arch: str, steps: int = 12) -> dict:
+def bfloat16_runs(arch: str, steps: int = 12, storage=None, batch: int = 2, seed: int = 22):
+    """Teacher-forced logits of a bfloat16 model: (exact, sdpa + DynamicCache, pagedkv + PagedCache, cache).
+    ``storage`` None: the PagedCache default for the model (bfloat16 pages where the kernels read them)."""
     ref32, paged32 = model_pair(arch, torch.float32)
     ref, paged = copy.deepcopy(ref32).to(torch.bfloat16), copy.deepcopy(paged32).to(torch.bfloat16)
     exact_model = copy.deepcopy(ref).to(torch.float64)             # the bfloat16 weights, computed in float64
-    ids, _ = prompts(2, 8 + steps, seed=22)
+    ids, _ = prompts(batch, 8 + steps, seed=seed)
     exact = teacher_forced(exact_model, DynamicCache(config=exact_model.config), ids, 8)
     plain = teacher_forced(ref, DynamicCache(config=ref.config), ids, 8)
-    cache = paged_cache(paged, "float32")
+    cache = paged_cache(paged, storage)
     ours = teacher_forced(paged, cache, ids, 8)
+    return exact, plain, ours, cache, paged
+
+
+def bfloat16_model(arch: str, steps: int = 12) -> dict:
+    exact, plain, ours, cache, paged = bfloat16_runs(arch, steps, storage="float32")
     return summary(exact, plain, ours, cache, paged)
+
+
+def token_identity(exact, plain, ours) -> dict:
+    """Greedy choices of the paged run against the reference (``plain``) at every teacher-forced position: where
+    the reference's top-2 margin exceeds 8x its own rounding error there (max |plain - exact|; the paged error
+    is within 3x of it, so no flip is possible), the choices must be identical. Counts of those positions."""
+    top2 = plain.topk(2, dim=-1).values                                   # [steps, batch, 2]
+    margin = top2[..., 0] - top2[..., 1]
+    rounding = (plain - exact).abs().amax(dim=-1)                         # [steps, batch]
+    decided = margin > 8 * rounding
+    same = plain.argmax(-1) == ours.argmax(-1)
+    return {"positions": int(margin.numel()), "decided": int(decided.sum()),
+            "identical_where_decided": int((same & decided).sum()), "identical": int(same.sum()),
+            "paged_error": float((ours - exact).abs().max()), "plain_error": float(rounding.max())}
 
 
 def summary(exact, plain, ours, cache, model) -> dict:

@@ -12,3 +12,8 @@ def test_example_runs():
     out, cache = scope["out"], scope["cache"]
     assert out.shape == (2, 25)
     assert cache.stats["kernel_calls"] == 2 * 20 and cache.lengths() == [3 + 19, 5 + 19]
+
+
+def test_first_lines_say_import_decode_hf_registers_pagedkv():
+    head = "\n".join(DOC.read_text().splitlines()[:5])
+    assert "`import decode.hf`" in head and "pagedkv" in head and "registers" in head

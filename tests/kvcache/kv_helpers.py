@@ -10,6 +10,8 @@ import pytest
 
 import kvcache
 from kvcache import bf16, quant
+from kvcache.faults import no_fault
+from kvcache.testing import FaultInjector, InjectedFault
 
 
 def make_cache(*, num_layers=1, num_kv_heads=2, head_dim=3, head_dim_v=None, page_size=4, num_pages=8,
@@ -84,7 +86,7 @@ class DenseModel:
         cfg = self.cfg
         first = self.first[seq]
         k_rows, v_rows = self.k[seq][layer][first:], self.v[seq][layer][first:]
-        dtype = np.float32 if cfg.quantized else cfg.dtype
+        dtype = np.float32 if cfg.quantized or cfg.bfloat16 else cfg.dtype          # what gather gives back
         k = np.array(k_rows, dtype=dtype).reshape(len(k_rows), cfg.num_kv_heads, cfg.head_dim)
         v = np.array(v_rows, dtype=dtype).reshape(len(v_rows), cfg.num_kv_heads, cfg.head_dim_v)
         return k, v
@@ -118,3 +120,31 @@ def assert_fails_unchanged(cache: kvcache.KVCache, call, error, match=None):
     assert cache.num_free_pages == free
     cache.check_invariants()
     return info
+
+
+def enumerate_faults(build, op):
+    """Fault injection at every point of ``op(cache, ctx)`` (``build() -> (cache, ctx)`` makes a fresh identical
+    cache): a counting run lists the points, then each one fails in turn (InjectedFault, the cache unchanged,
+    invariants hold) and a retry without faults equals the clean run. Returns the list of fault points."""
+    cache, ctx = build()
+    cache.fault_hook = counter = FaultInjector()
+    op(cache, ctx)
+    cache.fault_hook = no_fault
+    expected = cache.fingerprint()
+    cache.check_invariants()
+    points = list(counter.points)
+    assert points, "the operation passed no fault point"
+    for i, point in enumerate(points):
+        cache, ctx = build()
+        before, free = cache.fingerprint(), cache.num_free_pages
+        cache.fault_hook = FaultInjector(fail_at=i)
+        with pytest.raises(InjectedFault, match=f"^injected fault #{i} at '{point}'$"):
+            op(cache, ctx)
+        assert cache.fingerprint() == before, f"fault #{i} at {point!r} changed the cache"
+        assert cache.num_free_pages == free
+        cache.check_invariants()
+        cache.fault_hook = no_fault
+        op(cache, ctx)
+        assert cache.fingerprint() == expected, f"retry after fault #{i} at {point!r} differs from a clean run"
+        cache.check_invariants()
+    return points

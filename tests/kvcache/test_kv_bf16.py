@@ -10,8 +10,10 @@ import pytest
 from numba import njit
 
 import kvcache
-from kvcache import FaultInjector, InjectedFault, KVCache, bf16
+from kvcache import KVCache, bf16
+from kvcache.errors import SnapshotConfigError
 from kvcache.faults import no_fault
+from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.jit_store import BFLOAT16, scatter_kv_bits, store_token_bits
 from decode.app.measure_memory import memory_report
 from kvcache.accounting import kv_bytes_formula
@@ -43,7 +45,7 @@ def oracle(f32_bits: np.ndarray) -> np.ndarray:
     return out.astype(np.uint16)
 
 
-@njit(cache=True)
+@njit(cache=False)                  # a test helper: no on-disk cache keyed by this module's (changing) name
 def _jit_round(bits, out):
     for i in range(bits.shape[0]):
         out[i] = bf16.f32_bits_to_bf16(bits[i])
@@ -267,7 +269,7 @@ def test_snapshot_round_trips_the_bits_and_says_bfloat16(tmp_path):
             assert all(x.tobytes() == y.tobytes() for x, y in zip(loaded.gather(seq, layer), cache.gather(seq, layer)))
     other = kvcache.CacheConfig.build(num_layers=2, num_kv_heads=2, head_dim=5, head_dim_v=3, page_size=4,
                                       num_pages=10, dtype="float16")
-    with pytest.raises(kvcache.SnapshotConfigError, match=r"'dtype': \('float16', 'bfloat16'\)"):
+    with pytest.raises(SnapshotConfigError, match=r"'dtype': \('float16', 'bfloat16'\)"):
         KVCache.load(path, config=other)
     assert loaded.match_prefix(np.arange(9)).num_tokens == 8                 # the prefix index came back
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kvcache import CacheFullError, testing
-from kv_helpers import DenseModel, assert_fails_unchanged, assert_matches_model, make_cache, random_kv
+from .kv_helpers import DenseModel, assert_fails_unchanged, assert_matches_model, make_cache, random_kv
 
 
 def setup(rng, tokens, **kwargs):

@@ -10,8 +10,8 @@ import kvcache
 from kvcache import ScaleOverflowError, quant
 from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
-from kv_helpers import assert_bitwise_equal, assert_fails_unchanged, make_cache
-from test_kv_faults import enumerate_faults
+from .kv_helpers import assert_bitwise_equal, assert_fails_unchanged, make_cache
+from .kv_helpers import enumerate_faults
 
 F16_MAX = float(np.finfo(np.float16).max)
 

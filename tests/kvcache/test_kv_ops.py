@@ -6,7 +6,7 @@ import pytest
 
 import kvcache
 from kvcache import CacheFullError, testing
-from kv_helpers import DenseModel, assert_bitwise_equal, assert_fails_unchanged, assert_matches_model, \
+from .kv_helpers import DenseModel, assert_bitwise_equal, assert_fails_unchanged, assert_matches_model, \
     make_cache, random_kv
 
 
@@ -89,7 +89,7 @@ def test_gather_layer_checked(rng):
 
 
 # -- append ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bfloat16"])
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_append_multi_layer_matches_model(rng, dtype, num_layers):
     cache = make_cache(num_layers=num_layers, head_dim_v=5, dtype=dtype, page_size=4, num_pages=8)
@@ -176,7 +176,7 @@ def test_append_non_float_dtypes_rejected(rng, bad, which):
                            rf"^{which}: expected a real floating-point array, got dtype {dtype}$")
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bfloat16"])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("which", ["k", "v"])
 def test_append_non_finite_rejected(rng, dtype, value, which):

@@ -6,8 +6,8 @@ import pytest
 import kvcache
 from kvcache import CacheFullError
 from kvcache.prefix import page_key
-from kv_helpers import assert_fails_unchanged, random_kv
-from test_kv_faults import enumerate_faults
+from .kv_helpers import assert_fails_unchanged, random_kv
+from .kv_helpers import enumerate_faults
 
 
 @pytest.fixture

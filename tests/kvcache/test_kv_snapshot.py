@@ -14,7 +14,7 @@ import kvcache
 from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.errors import (SnapshotChecksumError, SnapshotConfigError, SnapshotCorruptError, SnapshotFormatError,
                      SnapshotInconsistentError, SnapshotRangeError, SnapshotTruncatedError, SnapshotVersionError)
-from kv_helpers import random_kv
+from .kv_helpers import random_kv
 
 
 def busy_cache(prefix_caching=True, dtype="float32", num_layers=2, seed=0):
@@ -50,7 +50,7 @@ def path(tmp_path):
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-@pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int8", "bfloat16"])
 def test_round_trip_same_fingerprint_kv_and_next_operations(path, prefix_caching, dtype):
     cache, rng = busy_cache(prefix_caching, dtype)
     size = cache.save(path)

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvcache
 from kvcache import CacheFullError
-from kv_helpers import DenseModel, assert_bitwise_equal
+from .kv_helpers import DenseModel, assert_bitwise_equal
 
 MAX_SEQUENCES = 5
 
@@ -20,7 +20,7 @@ class CacheMachine(RuleBasedStateMachine):
     steps_checked = 0                        # invariant checks run (reported by test_zz_report_size)
     @initialize(num_layers=st.integers(1, 2), num_kv_heads=st.integers(1, 2), head_dim=st.integers(1, 3),
                 head_dim_v=st.integers(1, 3), page_size=st.integers(1, 4), num_pages=st.integers(4, 8),
-                dtype=st.sampled_from(["float16", "float32", "int8"]), seed=st.integers(0, 2**32 - 1))
+                dtype=st.sampled_from(["float16", "float32", "int8", "bfloat16"]), seed=st.integers(0, 2**32 - 1))
     def setup(self, num_layers, num_kv_heads, head_dim, head_dim_v, page_size, num_pages, dtype, seed):
         self.cache = kvcache.KVCache(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                      head_dim_v=head_dim_v, page_size=page_size, num_pages=num_pages, dtype=dtype)
@@ -108,7 +108,7 @@ class CacheMachine(RuleBasedStateMachine):
             error, k, match = TypeError, (k * 10).astype(np.int32), "k: expected a real floating-point array"
         elif kind == "overflow":
             k[0, -1, 0, 0] = {np.float16: 1e6, np.int8: 1e7}.get(self.cfg.dtype.type, 1e39)
-            match = f"in {self.cfg.dtype} storage"
+            match = f"in {self.cfg.storage} storage"
         else:
             k, v = self.kv(self.cfg.num_pages * self.cfg.page_size + 1)
             error, match = CacheFullError, "it can never fit"

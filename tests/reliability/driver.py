@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from decode import Decoder, batch_step, batch_transaction
-from kvcache import CacheFullError, KVCache, testing
+from kvcache import CacheFullError, KVCache, bf16, testing
 from kvcache.testing import FaultInjector, InjectedFault
 from kvcache.faults import no_fault
 from reference.dense import decode_reference
 
-TOLERANCE = {"float64": (1e-12, 1e-12), "float32": (2e-6, 2e-5), "float16": (2e-6, 2e-5)}
+TOLERANCE = {"float64": (1e-12, 1e-12), "float32": (2e-6, 2e-5), "float16": (2e-6, 2e-5), "bfloat16": (2e-6, 2e-5)}
 SENTINEL_BITS = {2: 0x7E5A, 4: 0x7FC0_BAD5, 8: 0x7FF8_0000_DEAD_BEEF}       # quiet NaNs with a payload
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -237,6 +237,10 @@ class Driver:
         self.weights = np.array(self.WEIGHTS, dtype=float) / sum(self.WEIGHTS)
 
     # -- helpers ----------------------------------------------------------------------------------------------
+    def stored(self, x: np.ndarray) -> np.ndarray:
+        """What the pool keeps of ``x`` as `Decoder.kv` gives it back (bfloat16: rounded, widened to float32)."""
+        return bf16.to_float32(bf16.to_bits(x)) if self.cfg.bfloat16 else x.astype(self.cfg.dtype)
+
     def fail(self, message: str):
         self.summary.divergences += 1
         raise Divergence(f"op {self.op} (seed {self.s.seed}): {message}")
@@ -252,7 +256,7 @@ class Driver:
     def new_decoder(self) -> Decoder:
         dec = Decoder.on_cache(self.cache, self.s.num_q_heads, window=self.s.window)
         self.decoders.append(dec)
-        self.models[dec.seq] = Model(self.s, self.capacity, self.cfg.dtype)
+        self.models[dec.seq] = Model(self.s, self.capacity, np.float32 if self.cfg.bfloat16 else self.cfg.dtype)
         self.summary.sequences_created += 1
         return dec
 
@@ -323,7 +327,7 @@ class Driver:
             start = model.length
 
             def commit(out):
-                model.append(k.astype(self.cfg.dtype), v.astype(self.cfg.dtype))
+                model.append(self.stored(k), self.stored(v))
                 self.compare([model], [q], [out], [start])
             return (lambda: self.call_step(dec, q, k, v)), commit
         if kind == "extend":
@@ -331,14 +335,14 @@ class Driver:
             start = model.length
 
             def commit(out):
-                model.append(k.astype(self.cfg.dtype), v.astype(self.cfg.dtype))
+                model.append(self.stored(k), self.stored(v))
                 if k.shape[1]:
                     self.compare([model], [q], [out], [start])
             return (lambda: self.call_extend(dec, q, k, v)), commit
         if kind == "append":
             _, k, v = self.tokens(int(rng.integers(1, 9)), queries=False)
-            return (lambda: self.call_append(dec, k, v)), (lambda _: model.append(k.astype(self.cfg.dtype),
-                                                                                  v.astype(self.cfg.dtype)))
+            return (lambda: self.call_append(dec, k, v)), (lambda _: model.append(self.stored(k),
+                                                                                  self.stored(v)))
         if kind == "truncate":
             lo = self.lowest_truncate(dec, model)
             n = int(rng.integers(lo, model.length + 1))
@@ -373,7 +377,7 @@ class Driver:
 
             def commit(out):
                 for i, m in enumerate(models):
-                    m.append(k[:, i:i + 1].astype(self.cfg.dtype), v[:, i:i + 1].astype(self.cfg.dtype))
+                    m.append(self.stored(k[:, i:i + 1]), self.stored(v[:, i:i + 1]))
                 self.compare(models, [q[:, i:i + 1] for i in range(count)], [out[:, i:i + 1] for i in range(count)],
                              starts)
             return (lambda: self.call_batch(decs, q, k, v)), commit

@@ -6,7 +6,7 @@ A mutation the driver cannot see would mean a blind spot in the reliability suit
 import numpy as np
 import pytest
 
-import decode.layer_plan as layer_plan_module
+from decode.attention_plan import AttentionPlan
 import decode.window as window_module
 import kvcache.allocator as allocator_module
 import kvcache.transaction as transaction_module
@@ -17,20 +17,22 @@ pytestmark = pytest.mark.kernel
 
 def shift_positions(monkeypatch, how):
     """The decoder's kernel call sees other query positions than the tokens' own (a mistyped length)."""
-    real = layer_plan_module._paged_decode_attention_unchecked
+    real = AttentionPlan.run_layer
 
-    def kernel(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out, **kw):
-        size = k_pages.shape[2]
-        capacity = (page_indptr[query_seq + 1] - page_indptr[query_seq]) * size
-        pos = np.asarray(query_pos).copy()
+    def run_layer(self, pools, layer, q, scale, window, out):
+        size = pools.k_run[layer].shape[2]
+        capacity = (self.indptr[self.query_seq + 1] - self.indptr[self.query_seq]) * size
+        pos = np.asarray(self.query_pos).copy()
         if how == "one past the length":                   # reads a slot no token was written to
             pos = np.minimum(pos + 1, capacity - 1)
         elif how == "whole last page":                      # reads the unused tail of the last page
             pos = capacity - 1
         else:                                               # the new token left out: attends one key short
             pos = np.maximum(pos - 1, 0)
-        return real(q, k_pages, v_pages, page_indices, page_indptr, query_seq, pos, scale, window, out, **kw)
-    monkeypatch.setattr(layer_plan_module, "_paged_decode_attention_unchecked", kernel)
+        shifted = AttentionPlan(self.query_seq, pos, window, q.shape, pools.v_shape, pools.storage)
+        shifted.indices, shifted.indptr = self.indices, self.indptr
+        return real(shifted, pools, layer, q, scale, window, out)
+    monkeypatch.setattr(AttentionPlan, "run_layer", run_layer)
 
 
 def plant(monkeypatch, bug):

@@ -13,9 +13,7 @@ absorbed: the call succeeds (its tokens are in the cache) and the release happen
 import numpy as np
 import pytest
 
-import decode.layer_plan as layer_plan_module
-from decode.attention import DecodePlan
-from decode.multiquery import RunsPlan
+from decode.attention_plan import AttentionPlan
 from decode import Decoder, batch_extend, batch_step, batch_transaction
 from kvcache import CacheFullError, KVCache
 from kvcache.testing import FaultInjector, InjectedFault
@@ -43,8 +41,8 @@ def observe(result):
     return result
 
 
-# every way the Decoder reaches a kernel: the wrapper, a one-query-per-sequence DecodePlan, a multi-query RunsPlan
-KERNEL_ENTRIES = ((layer_plan_module, "_paged_decode_attention_unchecked"), (DecodePlan, "run"), (RunsPlan, "run"))
+# the one way the Decoder reaches a kernel: a plan (every batch shape, made on the first layer) run per layer
+KERNEL_ENTRIES = ((AttentionPlan, "run"),)
 
 
 def patch_kernels(monkeypatch, wrap):
@@ -343,7 +341,7 @@ def test_multi_layer_batch_extend_transaction(monkeypatch):
 
 
 def test_multi_layer_batch_extend_planned_once(monkeypatch):
-    """Every decoder's tokens form a run: one RunsPlan made on the first layer, one kernel call per layer."""
+    """Every decoder's tokens form a run: one AttentionPlan (runs) made on the first layer, one kernel call per layer."""
     def build():
         return ragged_inputs(shared([4, 7, 0], layers=2, fork_last=True), [3, 5, 3, 4], layers=2)
 

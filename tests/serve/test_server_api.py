@@ -32,6 +32,11 @@ def test_models_and_health_label_the_random_weights(client, pool_checked):
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].model_extra["random_weights"] is True and "random weights" in models[0].owned_by
     assert httpx2.get(pool_checked.url + "/health").json() == {"status": "ok"}
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    r = httpx2.get(pool_checked.url + "/v1/embeddings")
+    assert r.status_code in (404, 405) and "/v1/embeddings" in r.json()["error"]["message"]
 
 
 def test_completion_text_prompt_usage_and_max_tokens(client, tokenizer):

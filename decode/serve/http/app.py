@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from . import protocol
-from .engine_loop import ABORTED, EngineFailed, EngineLoop, ShuttingDown
+from .engine_loop import ABORTED, Channel, ChannelSink, EngineFailed, EngineLoop, ShuttingDown
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 
@@ -48,11 +49,10 @@ async def read_json(request: Request):
 class _Stream:
     """One request's link to the loop thread: outputs arrive in an asyncio queue."""
 
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, loop: EngineLoop, channel: Channel):
         self.engine_loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        aloop = asyncio.get_running_loop()
-        self.sink = lambda item: aloop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.sink = ChannelSink(channel, self.queue.put_nowait)
         self.finished = False
 
     async def next(self):
@@ -71,15 +71,23 @@ def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> 
     limits = protocol.Limits(served.names, int(engine.max_model_len), vocab_size_of(engine))
     created = int(time.time())
     app = FastAPI(title="kvengine", docs_url=None, redoc_url=None, openapi_url=None)
+    channels: dict = {}
+
+    def channel_of(event_loop) -> Channel:
+        if event_loop not in channels:
+            channels.clear()                       # one server runs one event loop; drop a stale one
+            channels[event_loop] = Channel(event_loop)
+        return channels[event_loop]
 
     async def admit(req: protocol.ParsedRequest, request: Request):
         if not loop.admitting:
             raise protocol.APIError(503, "the server is shutting down; no new requests are admitted", None,
                                     "service_unavailable")
-        stream = _Stream(loop)
+        stream = _Stream(loop, channel_of(asyncio.get_running_loop()))
         try:
             params = make_sampling_params(req.sampling)
-            await asyncio.wrap_future(loop.submit(req.prompt_token_ids, params, req.request_id, stream.sink))
+            await asyncio.wrap_future(loop.submit(req.prompt_token_ids, params, req.request_id, stream.sink,
+                                                  final_only=not req.stream))
         except ShuttingDown as exc:
             raise protocol.APIError(503, str(exc), None, "service_unavailable") from None
         except ValueError as exc:                  # RequestRejected (a ValueError with .param): nothing was added
@@ -108,11 +116,25 @@ def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> 
     async def chat_completions(request: Request):
         return await handle(request, protocol.parse_chat)
 
+    def card(name: str) -> dict:
+        return protocol.model_card(name, created, served.random_weights, limits.max_model_len, served.description)
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [protocol.model_card(name, created, served.random_weights,
-                                                               limits.max_model_len, served.description)
-                                           for name in served.names]}
+        return {"object": "list", "data": [card(name) for name in served.names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        try:
+            return card(protocol.check_model({"model": name}, limits))
+        except protocol.APIError as err:
+            return error_response(err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        """Unknown routes and methods answer in OpenAI's error shape too."""
+        return error_response(protocol.APIError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                f"{exc.detail}", None, "invalid_request_error"))
 
     @app.get("/health")
     async def health():

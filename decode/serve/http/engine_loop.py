@@ -8,15 +8,21 @@ within one step. When the engine has nothing to do the thread blocks on the queu
 
 Stopping (`stop`): no new request is admitted; running ones are stepped to completion until ``grace_s`` has
 passed; whatever remains is aborted and its sink told so; the thread exits.
+
+Failure: if ``engine.step()`` raises, the loop logs it, hands every open request an `EngineFailed` (HTTP 500
+naming the error), stops admitting (`error` is set; /health answers 503) and exits: never a plausible answer
+from an engine in an unknown state.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
+LOG = logging.getLogger("kvengine.serve")
 ABORTED = "aborted"              # what a sink receives when the server aborts its request (shutdown)
 
 
@@ -28,6 +34,7 @@ class EngineFailed(RuntimeError):
 class _Tracked:
     sink: object
     arrival: float
+    final_only: bool = False                   # deliver only the finished output (a whole, non-streamed response)
     last_token: float | None = None
 
 
@@ -60,9 +67,11 @@ class EngineLoop:
         """From now on `admitting` is False (the HTTP side answers 503); running requests go on."""
         self._admitting = False
 
-    def submit(self, prompt_token_ids, params, request_id: str, sink) -> concurrent.futures.Future:
-        """Queue an add_request; the future resolves to the request id, or raises what add_request raised."""
-        return self._put("add", (list(prompt_token_ids), params, request_id, sink))
+    def submit(self, prompt_token_ids, params, request_id: str, sink,
+               final_only: bool = False) -> concurrent.futures.Future:
+        """Queue an add_request; the future resolves to the request id, or raises what add_request raised.
+        ``sink(output)`` gets every RequestOutput of the request (only the finished one with ``final_only``)."""
+        return self._put("add", (list(prompt_token_ids), params, request_id, sink, final_only))
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
         return self._put("abort", request_id)
@@ -102,12 +111,12 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self.latest_stats = dict(self.engine.stats())
-        except BaseException as exc:               # noqa: BLE001 - reported to every open request, then re-raised
+        except Exception as exc:                   # noqa: BLE001 - logged, reported to every open request
             self.error = exc
+            LOG.exception("the engine loop failed; every open request is failed and nothing more is admitted")
             for tracked in list(self._requests.values()):
                 self._deliver(tracked.sink, EngineFailed(f"engine loop failed: {exc!r}"))
             self._requests.clear()
-            raise
         finally:
             self._fail_queued()
 
@@ -145,7 +154,7 @@ class EngineLoop:
         else:
             future.set_result(result)
 
-    def _add(self, prompt_token_ids, params, request_id, sink) -> str:
+    def _add(self, prompt_token_ids, params, request_id, sink, final_only) -> str:
         if self._stop_deadline is not None:
             raise ShuttingDown("the server is shutting down; no new requests are admitted")
         try:
@@ -154,7 +163,7 @@ class EngineLoop:
             self.counts["rejected"] += 1
             raise
         self.counts["added"] += 1
-        self._requests[rid] = _Tracked(sink, time.monotonic())
+        self._requests[rid] = _Tracked(sink, time.monotonic(), final_only)
         return rid
 
     def _abort(self, request_id: str) -> bool:
@@ -175,7 +184,7 @@ class EngineLoop:
     def _step(self) -> None:
         outputs = self.engine.step()
         self.counts["steps"] += 1
-        now = time.monotonic()
+        now, batches = time.monotonic(), {}
         for out in outputs:
             tracked = self._requests.get(out.request_id)
             if tracked is None:                    # aborted meanwhile: nobody listens
@@ -189,7 +198,19 @@ class EngineLoop:
                 self.counts["finished"] += 1
                 if self.metrics is not None:
                     self.metrics.observe_finished(out.finish_reason)
-            self._deliver(tracked.sink, out)
+            if out.finished or not tracked.final_only:
+                self._collect(batches, tracked.sink, out)
+        for channel, pairs in batches.items():     # one wake-up per event loop per step, not one per token
+            self._deliver(channel.deliver, pairs)
+
+    def _collect(self, batches: dict, sink, item) -> None:
+        """A sink with a ``channel`` (see `Channel`) is batched with the others of its channel; a plain
+        callable is called at once."""
+        channel = getattr(sink, "channel", None)
+        if channel is None:
+            self._deliver(sink, item)
+        else:
+            batches.setdefault(channel, []).append((sink, item))
 
     @staticmethod
     def _deliver(sink, item) -> None:
@@ -197,6 +218,7 @@ class EngineLoop:
             sink(item)
         except Exception:                          # noqa: BLE001 - a listener gone away must not stop the loop
             pass
+
 
     def _fail_queued(self) -> None:
         """After the loop ends, no command waits forever."""
@@ -213,3 +235,29 @@ class EngineLoop:
 
 class ShuttingDown(RuntimeError):
     """A request (or command) that arrived after stop()."""
+
+
+class Channel:
+    """Hands items to sinks that live on one asyncio event loop: one ``call_soon_threadsafe`` per batch."""
+
+    def __init__(self, event_loop):
+        self.event_loop = event_loop
+
+    def deliver(self, pairs) -> None:
+        self.event_loop.call_soon_threadsafe(_put_all, pairs)
+
+
+def _put_all(pairs) -> None:
+    for sink, item in pairs:
+        sink.put(item)
+
+
+class ChannelSink:
+    """A sink for `EngineLoop.submit`: ``put(item)`` runs on the channel's event loop (e.g. an asyncio queue's
+    ``put_nowait``); calling the sink delivers one item on its own."""
+
+    def __init__(self, channel: Channel, put):
+        self.channel, self.put = channel, put
+
+    def __call__(self, item) -> None:
+        self.channel.deliver([(self, item)])

@@ -6,7 +6,7 @@ import numpy as np
 
 import kvcache
 from kvcache import CacheFullError
-from kv_helpers import DenseModel, assert_matches_model, random_kv
+from ..kvcache.kv_helpers import DenseModel, assert_matches_model, random_kv
 
 
 def test_hundred_fill_and_free_cycles_leave_the_pool_whole():

@@ -7,11 +7,8 @@ free-page count exactly as before, pass check_invariants; then, with the hook re
 succeed and leave the cache byte-identical to the clean run.
 """
 import numpy as np
-import pytest
 
-from kvcache.testing import FaultInjector, InjectedFault
-from kvcache.faults import no_fault
-from kv_helpers import make_cache, random_kv
+from ..kvcache.kv_helpers import enumerate_faults, make_cache, random_kv
 
 
 def filled(tokens, seed=0, **kwargs):
@@ -24,32 +21,6 @@ def filled(tokens, seed=0, **kwargs):
             cache.append(seq, *random_kv(cache, count, rng))
         seqs.append(seq)
     return cache, seqs, rng
-
-
-def enumerate_faults(build, op):
-    """Run the protocol above; return the list of fault points of ``op``."""
-    cache, ctx = build()
-    cache.fault_hook = counter = FaultInjector()
-    op(cache, ctx)
-    cache.fault_hook = no_fault
-    expected = cache.fingerprint()
-    cache.check_invariants()
-    points = list(counter.points)
-    assert points, "the operation passed no fault point"
-    for i, point in enumerate(points):
-        cache, ctx = build()
-        before, free = cache.fingerprint(), cache.num_free_pages
-        cache.fault_hook = FaultInjector(fail_at=i)
-        with pytest.raises(InjectedFault, match=f"^injected fault #{i} at '{point}'$"):
-            op(cache, ctx)
-        assert cache.fingerprint() == before, f"fault #{i} at {point!r} changed the cache"
-        assert cache.num_free_pages == free
-        cache.check_invariants()
-        cache.fault_hook = no_fault
-        op(cache, ctx)
-        assert cache.fingerprint() == expected, f"retry after fault #{i} at {point!r} differs from a clean run"
-        cache.check_invariants()
-    return points
 
 
 def count(points, name):

@@ -1,0 +1,332 @@
+"""Plan once, run per layer (FlashInfer's plan / run): the one place that decides how an attention call is computed.
+
+An `AttentionPlan` is made from the queries' sequences and positions and the shapes, for every batch shape
+(one query per sequence, runs of consecutive queries of one sequence, a mix of both; every storage format,
+int8 included), and reused by every layer that attends with the same positions (a multi-layer token, batch
+step or extend). Runs of >= `MIN_RUN` queries go to the tiled kernel (`decode.kernels.tiled`), the other
+queries to the per-query kernel (`decode.kernels.per_query`).
+
+Determinism (docs/kernel.md): key ranges are cut at absolute multiples of a piece length that depends on the
+model's shapes and the page size only (`SPLIT_TOKENS`, `TILED_SPLIT`), never on the thread count or on the other
+queries of the call; threads only decide who computes a unit, and partial states are merged in key order. So a
+sequence's output is bitwise the same alone, in any batch, on any number of threads, with any page placement.
+
+Also here, each in one place: the compute-dtype rule (`compute_dtype`), the accumulation dtype of q.k
+(`accumulator`), the kernels' view of a storage format (`kernel_view`: float16 pages as uint16, bfloat16 bits as
+int16, int8 scales as uint16) and CSR page tables (`csr`). The decoder side of a plan (page tables of a token or
+a batch, checked once against released pages) is `plan_token` / `plan_batch` over `LayerPools`.
+
+    plan = AttentionPlan(query_seq, query_pos, window, q_shape, v_shape, storage)
+    plan.run(q, k_run, v_run, page_indices, page_indptr, scale, window, out, k_scales=None, v_scales=None)
+"""
+import numba
+import numpy as np
+
+from .kernels.per_query import query_parallel, query_serial
+from .kernels.tiled import tiled_parallel, tiled_serial
+from .kernels.units import find_runs, plan_tiles, plan_units
+
+# per-query kernel (measured, docs/kernel.md)
+SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
+SPLIT_TOKENS = 256           # key ranges are cut at absolute multiples of this (rounded up to whole blocks):
+                             # the same for every head count, so a head-sharded worker cuts as one process does
+BLOCK_TOKENS = 64            # keys per online-softmax block (rounded down to whole pages, at least one page)
+PREFETCH_BYTES = 4096        # software prefetch distance along the walk of K and V runs
+# tiled kernel
+MIN_RUN = 3                  # queries per run from which the tiled kernel is used (at 2 both kernels tie)
+TILE_ROWS = 128              # (query, q head) rows per tile: tokens per tile = max(1, TILE_ROWS // group)
+TILE_BLOCK = 128             # keys per score tile
+TILED_SERIAL_WORK = 1 << 20  # rows x visible keys x (head_dim + head_dim_v) below this: no threads
+TILED_SPLIT = 1024           # a tile's keys are cut at absolute multiples of this (a multiple of TILE_BLOCK)
+
+PRECISIONS = ("default", "highest")
+BFLOAT16 = "bfloat16"        # the storage format without a numpy dtype: uint16 bits (`kvcache.bf16`)
+_KERNEL_VIEW = {np.dtype(np.float16): np.dtype(np.uint16)}
+_NO_UNITS = np.empty((0, 4), dtype=np.int64)
+_NO_ITEMS = np.empty((0, 3), dtype=np.int64)
+
+
+def compute_dtype(storage) -> np.dtype:
+    """Dtype of q, scores, softmax and output for a storage format (a numpy dtype or "bfloat16"): float64 for
+    float64 storage, float32 for every other."""
+    if isinstance(storage, str) and storage == BFLOAT16:
+        return np.dtype(np.float32)
+    return np.dtype(np.float64) if np.dtype(storage) == np.float64 else np.dtype(np.float32)
+
+
+def accumulator(compute: np.dtype, precision: str = "default"):
+    """A zero of the q.k accumulation dtype (a type parameter of the kernels): float32 like every peer, float64
+    for float64 storage or precision="highest" (each score its exact value rounded once into float32)."""
+    return np.float64(0.0) if compute == np.float64 or precision == "highest" else np.float32(0.0)
+
+
+def kernel_view(pages, storage=None):
+    """The pages (or int8 scales) as the kernels read them (`decode.kernels.loaders`): float16 as its uint16 bits,
+    bfloat16 (storage="bfloat16", uint16 bits) as int16, everything else as is; None stays None."""
+    if pages is None:
+        return None
+    if storage == BFLOAT16:
+        return pages.view(np.int16)
+    return pages.view(_KERNEL_VIEW[pages.dtype]) if pages.dtype in _KERNEL_VIEW else pages
+
+
+def csr(tables: list) -> tuple[np.ndarray, np.ndarray]:
+    """Page tables ``[int32 [n_b]]`` -> ``(indices int32 [sum n_b], indptr int64 [B + 1])``."""
+    if len(tables) == 1:
+        return tables[0], np.array([0, len(tables[0])], dtype=np.int64)
+    indptr = np.zeros(len(tables) + 1, dtype=np.int64)
+    np.cumsum([len(t) for t in tables], out=indptr[1:])
+    indices = np.concatenate(tables).astype(np.int32, copy=False) if tables else np.zeros(0, np.int32)
+    return indices, indptr
+
+
+def visible_work(query_pos, window) -> int:
+    """Keys read over all queries (each query reads min(p + 1, window) keys)."""
+    if len(query_pos) == 1:
+        p1 = int(query_pos[0]) + 1
+        return min(p1, window) if window else p1
+    if window:
+        return int(np.minimum(query_pos + 1, window).sum())
+    return int(query_pos.sum()) + len(query_pos)
+
+
+class QueryPlan:
+    """The per-query kernel's units for queries at ``query_pos``: serial (`query_serial` on the calling thread)
+    or parallel (`query_parallel`), units [U, 4] = (query, lo, hi, slot) cut at absolute multiples of
+    ``split`` tokens (`units.plan_units`; empty when no query is cut and the call is serial: one unit per query),
+    bounds [chunks + 1], items [n_split, 3]. block: keys per online-softmax block; ahead: prefetch distance."""
+
+    __slots__ = ("serial", "block", "ahead", "split", "units", "bounds", "items", "num_slots", "acc0")
+
+    def __init__(self, query_pos, window, num_q_heads, head_dim, head_dim_v, page_size, acc0, *, mode=0,
+                 split_tokens=0):
+        self.block = block = page_size * max(1, BLOCK_TOKENS // page_size)
+        self.ahead = PREFETCH_BYTES
+        self.acc0 = acc0
+        width = num_q_heads * (head_dim + head_dim_v)
+        split = split_tokens if split_tokens > 0 else SPLIT_TOKENS
+        self.split = split = -(-split // block) * block
+        nthreads = numba.get_num_threads()
+        self.serial = mode == 1 or (mode == 0 and (nthreads < 2 or visible_work(query_pos, window) * width
+                                                   < SERIAL_WORK))
+        hi = query_pos + 1
+        lo = np.maximum(hi - window, 0) if window else np.zeros_like(hi)
+        cut = bool(((hi - 1) // split != lo // split).any())
+        if self.serial and not cut:
+            self.units, self.bounds, self.items, self.num_slots = _NO_UNITS, None, _NO_ITEMS, 0
+        else:
+            self.units, self.bounds, self.items, self.num_slots = plan_units(query_pos, window, split,
+                                                                             1 if self.serial else nthreads)
+        if not self.serial and self.units.shape[0] < 2 and mode == 0:
+            self.serial = True                                           # a single unit: no threads
+
+    def run(self, q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, scale,
+            window, out):
+        """One layer over kernel views of the pages (`kernel_view`); the positions must be the plan's."""
+        if self.serial:
+            return query_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq,
+                                query_pos, scale, window, out, self.units, self.items, self.num_slots, self.block,
+                                self.ahead, self.acc0)
+        return query_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq,
+                              query_pos, scale, window, out, self.units, self.bounds, self.items, self.num_slots,
+                              self.block, self.ahead, self.acc0)
+
+
+class TilePlan:
+    """The tiled kernel's units for ``runs`` [n, 4] = (sequence, first query, count, first position) with
+    ``keys`` visible keys over their queries (`units.find_runs`): tiles of ``tokens`` queries, each tile's keys
+    cut at absolute multiples of ``split`` (`units.plan_tiles`), serial or on all threads."""
+
+    __slots__ = ("runs", "serial", "tokens", "units", "bounds", "items", "parts", "slots", "acc0")
+
+    def __init__(self, runs, keys, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, acc0, *, mode=0,
+                 split_tokens=0):
+        self.runs, self.acc0 = runs, acc0
+        group = num_q_heads // num_kv_heads
+        self.tokens = tokens = max(1, TILE_ROWS // group)
+        nthreads = numba.get_num_threads()
+        work = keys * num_q_heads * (head_dim + head_dim_v)
+        self.serial = mode == 1 or (mode == 0 and (work < TILED_SERIAL_WORK or nthreads < 2))
+        split = split_tokens if split_tokens > 0 else TILED_SPLIT
+        self.units, self.bounds, self.items, self.parts, self.slots = plan_tiles(
+            runs, num_kv_heads, group, window, tokens, split, 1 if self.serial else 4 * nthreads)
+
+    def run(self, q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, scale, window, out):
+        """One layer: out[i] of every query i in a run (kernel views of the pages; the plan's positions)."""
+        if self.serial:
+            return tiled_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, self.runs,
+                                self.units, self.items, self.parts, self.slots, window, scale, TILE_BLOCK,
+                                self.tokens, out, self.acc0)
+        return tiled_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, self.runs,
+                              self.units, self.bounds, self.items, self.parts, self.slots, window, scale, TILE_BLOCK,
+                              self.tokens, out, self.acc0)
+
+
+class AttentionPlan:
+    """How one call (or every layer of a forward) is computed: ``tiles`` (a `TilePlan` for the runs, or None),
+    ``rest`` (int64 indices of the queries outside runs, None when that is every query) and ``single`` (a
+    `QueryPlan` for them, or None). ``indices`` / ``indptr``: the page tables, when the plan holds them
+    (`plan_token`, `plan_batch`); ``out_shape``: (N, num_q_heads, head_dim_v).
+
+    q_shape = (num_queries, num_q_heads, head_dim); v_shape = v_pages.shape; storage: the format's numpy dtype or
+    "bfloat16"; precision: "default" (q.k in float32) or "highest" (in float64; not for int8). mode (tests,
+    tuning): 0 choose, 1 serial, 2 parallel; split_tokens > 0 forces pieces of that many tokens; tiled=False
+    sends every query to the per-query kernel."""
+
+    __slots__ = ("tiles", "rest", "single", "query_seq", "query_pos", "indices", "indptr", "out_shape")
+
+    def __init__(self, query_seq, query_pos, window, q_shape, v_shape, storage, *, precision="default", mode=0,
+                 split_tokens=0, tiled=True, min_run=MIN_RUN):
+        num_queries, num_q_heads, head_dim = q_shape
+        _, num_kv_heads, page_size, head_dim_v = v_shape
+        self.query_seq, self.query_pos = query_seq, query_pos
+        self.indices = self.indptr = None
+        self.out_shape = (num_queries, num_q_heads, head_dim_v)
+        acc0 = accumulator(compute_dtype(storage), precision)
+        self.tiles, self.rest, self.single = None, None, None
+        if tiled and num_queries >= min_run:
+            runs, rest, keys = find_runs(query_seq, query_pos, min_run, window)
+            if len(runs):
+                self.tiles = TilePlan(runs, keys, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, acc0,
+                                      mode=mode, split_tokens=split_tokens)
+                self.rest = rest
+        rest_pos = query_pos if self.rest is None else query_pos[self.rest]
+        if len(rest_pos):
+            self.single = QueryPlan(rest_pos, window, num_q_heads, head_dim, head_dim_v, page_size, acc0, mode=mode,
+                                    split_tokens=split_tokens)
+
+    def run(self, q, k_pages, v_pages, page_indices, page_indptr, scale, window, out, k_scales=None, v_scales=None):
+        """One layer: ``out [N, num_q_heads, head_dim_v]`` of ``q [N, num_q_heads, head_dim]`` (checked, compute
+        dtype, C-contiguous) over kernel views of the pages (`kernel_view`). Returns out."""
+        if self.tiles is not None:
+            self.tiles.run(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, scale, window, out)
+        if self.single is None:
+            return out
+        if self.rest is None:
+            return self.single.run(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr,
+                                   self.query_seq, self.query_pos, scale, window, out)
+        rest = self.rest
+        sub = np.empty((len(rest),) + out.shape[1:], out.dtype)
+        self.single.run(np.ascontiguousarray(q[rest]), k_pages, v_pages, k_scales, v_scales, page_indices,
+                        page_indptr, self.query_seq[rest], self.query_pos[rest], scale, window, sub)
+        out[rest] = sub
+        return out
+
+    def run_layer(self, pools, layer: int, q, scale: float, window: int, out):
+        """`run` over ``layer`` of `LayerPools` with the plan's own page tables."""
+        return self.run(q, pools.k_run[layer], pools.v_run[layer], self.indices, self.indptr, scale, window, out,
+                        pools.k_scales[layer], pools.v_scales[layer])
+
+
+def attend_unchecked(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out, *,
+                     k_scales=None, v_scales=None, storage=None, precision="default", mode=0, split_tokens=0,
+                     tiled=True):
+    """Plan and run one call with no checks, for callers that validated already (`decode.attention` and the
+    benchmarks). Requires: q C-contiguous in the compute dtype, pages as stored (float16, bfloat16 bits with
+    storage="bfloat16", int8 with float16 scales), page_indices int32, page_indptr / query_pos int64, query_seq
+    int32, out a C-contiguous [num_queries, num_q_heads, head_dim_v] array of the compute dtype; every visible
+    position backed by a valid page. Options as `AttentionPlan`. Returns out."""
+    storage = storage if storage is not None else k_pages.dtype
+    plan = AttentionPlan(query_seq, query_pos, window, q.shape, v_pages.shape, storage, precision=precision,
+                         mode=mode, split_tokens=split_tokens, tiled=tiled)
+    return plan.run(q, kernel_view(k_pages, storage), kernel_view(v_pages, storage), page_indices, page_indptr,
+                    scale, window, out, kernel_view(k_scales), kernel_view(v_scales))
+
+
+class LayerPools:
+    """Per-layer views of a cache's pages as the kernels read them (`kernel_view`): ``k_run[layer]`` /
+    ``v_run[layer]`` [num_pages, num_kv_heads, page_size, head_dim(_v)], int8 scales ``k_scales[layer]`` /
+    ``v_scales[layer]`` (uint16; None for floats); ``storage``: the format; ``compute``: its compute dtype."""
+
+    __slots__ = ("k_run", "v_run", "k_scales", "v_scales", "int8", "storage", "compute", "v_shape")
+
+    def __init__(self, cache):
+        config = cache.config
+        self.storage = BFLOAT16 if getattr(config, "storage", None) == BFLOAT16 else config.dtype
+        layers = range(config.num_layers)
+        self.k_run = [kernel_view(cache.k_pages(layer), self.storage) for layer in layers]
+        self.v_run = [kernel_view(cache.v_pages(layer), self.storage) for layer in layers]
+        self.k_scales = [kernel_view(cache.k_scales(layer)) for layer in layers]
+        self.v_scales = [kernel_view(cache.v_scales(layer)) for layer in layers]
+        self.int8 = self.k_scales[0] is not None
+        self.compute = compute_dtype(self.storage)
+        self.v_shape = self.v_run[0].shape
+
+
+_QUERY_SEQ1 = np.zeros(1, dtype=np.int32)          # one query of CSR row 0 (read only)
+
+
+def plan_token(cache, pools: LayerPools, seq: int, pages: np.ndarray, position: int, num_q_heads: int,
+               window: int, precision: str = "default") -> AttentionPlan:
+    """The plan of one query at ``position`` of ``seq`` over its page table ``pages int32`` (reserved slot
+    included); ValueError if the query would read a released page."""
+    first = max(0, position - window + 1) if window else 0
+    if pages[first // cache.config.page_size] < 0:
+        raise_released(cache, seq, first, position)
+    qpos = np.array([position], dtype=np.int64)
+    plan = AttentionPlan(_QUERY_SEQ1, qpos, window, (1, num_q_heads, cache.config.head_dim), pools.v_shape,
+                         pools.storage, precision=precision)
+    plan.indices, plan.indptr = pages, np.array([0, len(pages)], dtype=np.int64)
+    return plan
+
+
+def plan_batch(cache, pools: LayerPools, seqs: list, indices: np.ndarray, indptr: np.ndarray, start: list,
+               counts: list, q_shape: tuple, window: int, query_seq: np.ndarray, query_pos: np.ndarray,
+               precision: str = "default") -> AttentionPlan:
+    """The plan of ``q_shape = (N, num_q_heads, head_dim)`` ragged queries (``counts[b]`` of sequence ``seqs[b]``
+    from position ``start[b]`` on) over the page tables ``indices`` / ``indptr`` (CSR, row b: ``seqs[b]``), every
+    batch shape and storage format. ValueError if a sequence's first query would read a released page."""
+    if q_shape[0]:
+        check_held(cache, seqs, indices, indptr, np.asarray(start, dtype=np.int64), np.asarray(counts) > 0, window)
+    plan = AttentionPlan(query_seq, query_pos, window, q_shape, pools.v_shape, pools.storage, precision=precision)
+    plan.indices, plan.indptr = indices, indptr
+    return plan
+
+
+def check_held(cache, seqs: list, indices: np.ndarray, indptr: np.ndarray, start: np.ndarray, reads: np.ndarray,
+               window: int) -> None:
+    """ValueError (`raise_released`) for the first row b with ``reads[b]`` whose first query (at ``start[b]``)
+    would read a page released by `KVCache.release_before` (-1); one vectorised pass over the rows."""
+    rows = np.flatnonzero(reads)
+    first = np.maximum(start[rows] - window + 1, 0) if window else np.zeros(len(rows), dtype=np.int64)
+    bad = np.flatnonzero(indices[indptr[rows] + first // cache.config.page_size] < 0)
+    if len(bad):
+        b = int(rows[bad[0]])
+        raise_released(cache, seqs[b], int(first[bad[0]]), int(start[b]))
+
+
+def attend_token(decoder, token, layer: int, q, k, v, plan: AttentionPlan | None = None):
+    """Write one token's checked ``k``/``v`` into ``token``'s slot (`kvcache.TokenWrite`) in ``layer`` and
+    attend with ``q [num_q_heads, head_dim]`` (working precision) over positions ``.. token.positions[0]``.
+    Returns ``(out [num_q_heads, head_dim_v], plan)``; ``plan`` is made on the first layer of a token
+    (`plan_token`) and passed back in for the others."""
+    token.write(layer, k, v)
+    if plan is None:
+        plan = plan_token(decoder.cache, decoder.pools, decoder.seq, token.pages(), int(token.positions[0]),
+                          decoder.num_q_heads, decoder.window, getattr(decoder, "precision", "default"))
+    out = np.empty(plan.out_shape, dtype=decoder.q_dtype)
+    return plan.run_layer(decoder.pools, layer, q[None], decoder.scale, decoder.window, out)[0], plan
+
+
+def raise_released(cache, seq: int, first: int, position: int):
+    """Raise: the query at ``position`` would read positions ``first ..`` of which some were given back by
+    `KVCache.release_before` (a -1 in the page table; the unchecked kernel would index the pool with it)."""
+    raise ValueError(f"seq: expected K/V held for positions {first}..{position} (read by the query at position "
+                     f"{position}), got positions < {cache.first_position(seq)} released (KVCache.release_before)")
+
+
+def attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out, *,
+                k_scales=None, v_scales=None, storage=None, precision="default", mode=0, split_tokens=0,
+                min_run=MIN_RUN):
+    """The tiled kernel alone: out[i] of every query i in a run of >= min_run queries; returns the indices
+    (int64) of the other queries, which it leaves untouched. Arguments as `attend_unchecked`."""
+    storage = storage if storage is not None else k_pages.dtype
+    runs, rest, keys = find_runs(query_seq, query_pos, min_run, window)
+    if len(runs):
+        _, num_q_heads, head_dim = q.shape
+        acc0 = accumulator(compute_dtype(storage), precision)
+        plan = TilePlan(runs, keys, window, num_q_heads, v_pages.shape[1], head_dim, v_pages.shape[3], acc0,
+                        mode=mode, split_tokens=split_tokens)
+        plan.run(q, kernel_view(k_pages, storage), kernel_view(v_pages, storage), kernel_view(k_scales),
+                 kernel_view(v_scales), page_indices, page_indptr, scale, window, out)
+    return rest

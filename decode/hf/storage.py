@@ -1,0 +1,71 @@
+"""Which storage dtype a `PagedCache` keeps its pages in: what the user gave (a name, a numpy dtype or a torch
+dtype), else the model's dtype (a bfloat16 model gets bfloat16 pages, a float16 one float16 pages).
+
+    storage_name(dtype) -> "float16" | "bfloat16" | "float32" | "float64" | "int8" | None
+    for_model(torch_dtype) -> the default storage name for a model computing in ``torch_dtype``
+    config_dtype(config) -> the torch dtype a config records (from_pretrained / from_config(dtype=...)), or None
+"""
+import inspect
+
+import numpy as np
+import torch
+
+from decode.attention import paged_decode_attention
+from kvcache.checks import check_storage_dtype
+
+_TORCH = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
+_NAMES = ("float16", "bfloat16", "float32", "float64", "int8")
+
+
+def kernels_take_storage() -> bool:
+    """Whether this build's attention kernels take ``storage=`` (and so read bfloat16 pages)."""
+    return "storage" in inspect.signature(paged_decode_attention).parameters
+
+
+def bfloat16_pages() -> bool:
+    """Whether bfloat16 pages can be stored (`kvcache.bf16`) and read by the attention kernels (else a bfloat16
+    model's default storage is float32)."""
+    try:
+        check_storage_dtype("dtype", "bfloat16")
+    except (TypeError, ValueError):
+        return False
+    return kernels_take_storage()
+
+
+def storage_name(dtype) -> str | None:
+    """The storage name of ``dtype`` (None stays None: follow the model). TypeError names what is accepted."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        if dtype in _TORCH:
+            return _TORCH[dtype]
+    elif isinstance(dtype, str):
+        if dtype in _NAMES:
+            return dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+        if name in _NAMES:
+            return name
+    raise TypeError(f"dtype: expected None (the model's dtype), one of {', '.join(_NAMES)} (names, numpy dtypes) or "
+                    f"torch.float16 / torch.bfloat16 / torch.float32 / torch.float64, got {dtype!r}")
+
+
+def for_model(torch_dtype: torch.dtype) -> str:
+    """The default storage of a model computing in ``torch_dtype``: the same dtype (bfloat16 in a build whose kernels
+    cannot read bfloat16 pages: float32, documented in docs/transformers.md); float32 for anything else."""
+    name = _TORCH.get(torch_dtype, "float32")
+    if name == "bfloat16" and not bfloat16_pages():
+        return "float32"
+    return name
+
+
+def config_dtype(config) -> torch.dtype | None:
+    """``config.dtype`` when it names a floating torch dtype (set by from_pretrained / from_config(dtype=...)),
+    else None (a model built then moved with ``.to(dtype)`` keeps None: its dtype is known at the first forward)."""
+    value = getattr(config, "dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) and value in _TORCH else None

@@ -1,0 +1,105 @@
+"""Row loaders: the one place where the kernels' skeletons (`per_query`, `tiled`) meet a storage format.
+
+A format is how a page row is read into compute values. The element type of the pages as handed to the kernels
+selects it at compile time (`simd.ld` for one element, `simd._widen` for a vector: both exact):
+
+    float32 / float64   as stored
+    uint16              float16 bits (pages stored as float16, viewed as uint16)
+    int16               bfloat16 bits (pages stored as uint16 bfloat16 bits, viewed as int16: a tag, the bits
+                        are unchanged; widened as uint32(bits) << 16 viewed as float32)
+    int8 + scales       int8 values with float16 group scales (`kvcache.quant`): ``scales`` is an array
+
+The three loaders below are what a skeleton calls per page tile; each dispatches on ``scales`` (None for the
+float formats, the uint16 scale bits for int8) by overload at compile time, the Python bodies being the
+NUMBA_DISABLE_JIT twins. A new float-like format is a new element type in `simd.ld` / `simd._widen`; a new
+scaled format is a new branch here. Shapes: ``kp`` / ``vp`` [page_size, width] rows of one kv head of one page,
+``st`` float32 scratch [page_size * ceil(width / 32)] (the tile's scales), ``kt`` / ``vt`` float32 scratch
+[chunk rows, width].
+
+    tile_scales(scales, page, h, st)                      int8: st <- the page tile's scales as float32
+    score_rows(qh, kp, st, scales, r0, r1, Sh, c, kt)     Sh[g, c + t - r0] = qh[g] . row t   (t in [r0, r1))
+    value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt)     ah[g, :] += Sh[g, c + t - r0] * row t
+    block_rows(tile, scales, page, h, s0, s1, dst, j, st) dst[j + s - s0, :width] = row s   (tiled K/V blocks)
+"""
+from .blocks import pv, qk
+from .int8_rows import block_rows_int8, score_rows_int8, value_rows_int8
+from .int8_simd import h2f_all
+from .simd import JIT, ld
+
+
+def tile_scales(scales, page, h, st):
+    """int8: st[t * G + g] = float32(scales[page, h, t, g]) (the whole page tile, one vectorised pass); floats:
+    nothing."""
+    if scales is not None:
+        h2f_all(scales[page, h], st)
+
+
+def score_rows(qh, kp, st, scales, r0, r1, Sh, c, kt):
+    """Scores of the query-head group qh [G, D] against rows r0..r1-1 of kp (any format)."""
+    if scales is None:
+        qk(qh, kp, r0, r1, Sh, c)
+    else:
+        score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt)
+
+
+def value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt):
+    """The weighted sum of rows r0..r1-1 of vp (any format) into ah [G, Dv]."""
+    if scales is None:
+        pv(Sh, c, vp, r0, r1, ah)
+    else:
+        value_rows_int8(Sh, c, vp, st, r0, r1, ah, vt)
+
+
+def _float_block_rows(tile, s0, s1, dst, j):
+    W = tile.shape[1]
+    for s in range(s0, s1):
+        src = tile[s]
+        row = dst[j + s - s0]
+        for d in range(W):
+            row[d] = ld(src[d])
+
+
+def block_rows(tile, scales, page, h, s0, s1, dst, j, st):
+    """dst[j + s - s0, :width] = rows s0..s1-1 of the page tile (page, h) in dst's dtype (int8: times their group
+    scales, float32)."""
+    if scales is None:
+        _float_block_rows(tile, s0, s1, dst, j)
+    else:
+        block_rows_int8(tile, scales[page, h], s0, s1, dst, j, st)
+
+
+if JIT:
+    from numba import njit, types
+    from numba.extending import overload
+
+    from .simd import FAST
+
+    _float_block_rows = njit(cache=True, fastmath=FAST)(_float_block_rows)
+
+    def _floats(scales):
+        return scales is None or isinstance(scales, (types.NoneType, types.Omitted))
+
+    @overload(tile_scales)
+    def _tile_scales_ov(scales, page, h, st):
+        if _floats(scales):
+            return lambda scales, page, h, st: None
+        return lambda scales, page, h, st: h2f_all(scales[page, h], st)
+
+    @overload(score_rows)
+    def _score_rows_ov(qh, kp, st, scales, r0, r1, Sh, c, kt):
+        if _floats(scales):
+            return lambda qh, kp, st, scales, r0, r1, Sh, c, kt: qk(qh, kp, r0, r1, Sh, c)
+        return lambda qh, kp, st, scales, r0, r1, Sh, c, kt: score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt)
+
+    @overload(value_rows)
+    def _value_rows_ov(Sh, c, vp, st, scales, r0, r1, ah, vt):
+        if _floats(scales):
+            return lambda Sh, c, vp, st, scales, r0, r1, ah, vt: pv(Sh, c, vp, r0, r1, ah)
+        return lambda Sh, c, vp, st, scales, r0, r1, ah, vt: value_rows_int8(Sh, c, vp, st, r0, r1, ah, vt)
+
+    @overload(block_rows)
+    def _block_rows_ov(tile, scales, page, h, s0, s1, dst, j, st):
+        if _floats(scales):
+            return lambda tile, scales, page, h, s0, s1, dst, j, st: _float_block_rows(tile, s0, s1, dst, j)
+        return lambda tile, scales, page, h, s0, s1, dst, j, st: block_rows_int8(tile, scales[page, h], s0, s1,
+                                                                                dst, j, st)

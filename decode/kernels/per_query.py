@@ -1,0 +1,192 @@
+"""The per-query ("decode") kernel, one skeleton for every storage format (`loaders`). Work unit = (query, key
+range) with EVERY kv head: each page of the range is read whole (its K for all heads is one contiguous run of
+the head-major pool, then its V), so a thread streams long runs instead of one head's small tile per page.
+Units come from `units.plan_units` (ranges cut at absolute positions), are balanced over the threads, and split
+ranges are merged (`units.merge_rows`) in slot order.
+
+Arguments shared by the entry points (docs/kernel.md, "API of the kernels"): q [num_queries, num_q_heads,
+head_dim] compute dtype; k_pages / v_pages as `loaders` reads them; k_scales / v_scales None (float formats) or
+uint16 [num_pages, num_kv_heads, page_size, ceil(width / 32)] (int8); acc0: a zero of the q.k accumulation dtype
+(float32 by default, float64 for precision="highest"; float32 for int8).
+"""
+import numpy as np
+from numba import njit, prange
+
+from .blocks import load_heads, normalise, softmax_block, unit_range
+from .loaders import score_rows, tile_scales, value_rows
+from .simd import FAST, prefetch_lines
+from .units import merge_rows
+
+GROUP = 32          # values per int8 scale group (the width of a scale row: ceil(width / GROUP))
+
+
+@njit(cache=True, fastmath=FAST)
+def prefetch_ahead(run, nxt, R0, R1, A):
+    """Prefetch rows [R0 + A, R1 + A) of the walk whose current run is `run` and next run `nxt` (each a page
+    [num_kv_heads, page_size, dim] read as num_kv_heads * page_size rows); A <= rows of a run."""
+    HP = run.shape[0] * run.shape[1]
+    a = R0 + A
+    b = R1 + A
+    if a < HP:
+        prefetch_lines(run, a, min(b, HP))
+    if b > HP:
+        prefetch_lines(nxt, max(a - HP, 0), b - HP)
+
+
+@njit(cache=True, fastmath=FAST)
+def walk_block(values, qs, pool, nxt_pool, scales, pages, b0, b1, jn, S, acc, RC, A, st, rows):
+    """One pass over the keys [b0, b1) of a block (whole pages), page-major and head-minor: scores into S
+    (values False: ``S[h, :, c] = qs[h] . K[t]``) or the weighted values into acc (values True). Each tile is taken
+    in chunks of RC rows; while a chunk is used, the rows A further along the walk are prefetched (the next run
+    after the block's last page is page ``pages[jn]`` of ``nxt_pool``: K's pass is followed by the block's first V,
+    V's by the next block's first K). st / rows: the loader's scratch (`loaders`)."""
+    P = pool.shape[2]
+    H = pool.shape[1]
+    c = 0
+    t = b0
+    while t < b1:
+        j = t // P
+        s0 = t - j * P
+        s1 = min(P, b1 - j * P)
+        page = pool[pages[j]]
+        nxt = pool[pages[j + 1]] if t + s1 - s0 < b1 else nxt_pool[pages[jn]]
+        for h in range(H):
+            tile_scales(scales, pages[j], h, st)
+            tile = page[h]
+            r = s0
+            while r < s1:
+                r1 = min(s1, r + RC)
+                prefetch_ahead(page, nxt, h * P + r, h * P + r1, A)
+                if values:
+                    value_rows(S[h], c + r - s0, tile, st, scales, r, r1, acc[h], rows)
+                else:
+                    score_rows(qs[h], tile, st, scales, r, r1, S[h], c + r - s0, rows)
+                r = r1
+        c += s1 - s0
+        t += s1 - s0
+    return c
+
+
+@njit(cache=True, fastmath=FAST)
+def attend_pages(qs, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale, block, ahead, S, m, l, acc, st,
+                 kt, vt):
+    """Unnormalised attention of every query-head group over the keys at absolute positions [lo, hi) of one
+    sequence (`pages`: its row of the page table).
+
+    qs [num_kv_heads, G, head_dim] (the query, accumulation dtype), scale: score scale, S [num_kv_heads, G,
+    block] scratch; leaves the running (unscaled) max m [num_kv_heads, G], running sum l [num_kv_heads, G] and
+    unnormalised output acc [num_kv_heads, G, head_dim_v]. Keys are taken `block` at a time (a multiple of
+    page_size, aligned to absolute positions): the scores of the block (`walk_block` over K), the softmax update
+    per head, then the values (`walk_block` over V)."""
+    P = k_pages.shape[2]
+    H = k_pages.shape[1]
+    RC = 16 if qs.shape[1] >= 8 else min(16, max(4, 4096 // (k_pages.shape[3] * k_pages.itemsize)))
+    AK = min(H * P, max(1, ahead // (k_pages.shape[3] * k_pages.itemsize)))
+    AV = min(H * P, max(1, ahead // (v_pages.shape[3] * v_pages.itemsize)))
+    first = True
+    b0 = lo
+    while b0 < hi:
+        b1 = min(hi, (b0 // block + 1) * block)
+        jb = b0 // P
+        jn = b1 // P if b1 < hi else jb
+        c = walk_block(False, qs, k_pages, v_pages, k_scales, pages, b0, b1, jb, S, acc, RC, AK, st, kt)
+        for h in range(H):
+            softmax_block(S[h], c, m[h], l[h], acc[h], first, scale)
+        first = False
+        walk_block(True, qs, v_pages, k_pages, v_scales, pages, b0, b1, jn, S, acc, RC, AV, st, vt)
+        b0 = b1
+
+
+@njit(cache=True, fastmath=FAST)
+def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, window,
+                scale, out, units, u0, u1, block, ahead, wm, wl, wacc, acc0):
+    """Process work units u0..u1-1 with one set of scratch buffers (the serial kernel, and the body of each
+    parallel chunk). block: keys per online-softmax block (whole pages); ahead: prefetch distance in bytes.
+
+    units.shape[0] == 0: unit u is query u over its whole visible range. Otherwise unit u is the row units[u] =
+    (query, lo, hi, slot): keys [lo, hi); slot < 0: the unit covers the whole range, normalise into out; else
+    store the partial (max, sum, acc) at workspace slot (wm, wl [slots, num_kv_heads, G], wacc [slots,
+    num_kv_heads, G, head_dim_v])."""
+    H = k_pages.shape[1]
+    G = q.shape[1] // H
+    D = q.shape[2]
+    Dv = v_pages.shape[3]
+    P = k_pages.shape[2]
+    RC = 16
+    qs = np.full((H, G, D), acc0)      # q.k accumulated in acc0's dtype
+    S = np.empty((H, G, block), q.dtype)
+    m = np.empty((H, G), q.dtype)
+    l = np.empty((H, G), q.dtype)
+    acc = np.empty((H, G, Dv), q.dtype)
+    st = np.empty(P * (-(-max(D, Dv) // GROUP)), np.float32)
+    kt = np.empty((RC, D), np.float32)
+    vt = np.empty((RC, Dv), np.float32)
+    sc = np.empty(1, q.dtype)
+    sc[0] = scale                    # the scale in the compute dtype: score arithmetic never widens to float64
+    scale_c = sc[0]
+    for u in range(u0, u1):
+        i, lo, hi, w = unit_range(units, u, query_pos, window)
+        s = query_seq[i]
+        pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
+        load_heads(q[i], qs)
+        if w < 0:
+            attend_pages(qs, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead, S, m, l,
+                         acc, st, kt, vt)
+            for h in range(H):
+                normalise(acc[h], l[h], out[i, h * G:(h + 1) * G])
+        else:
+            attend_pages(qs, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead, S, wm[w],
+                         wl[w], wacc[w], st, kt, vt)
+
+
+@njit(cache=True, fastmath=FAST)
+def merge_items(out, items, a, b, wm, wl, wacc, scale):
+    """Merge the partials of split queries items[a:b] = (query, first slot, number of slots) into out (wm, wl
+    [slots, num_kv_heads, G], wacc [slots, num_kv_heads, G, head_dim_v]; query head h*G + g)."""
+    W = wm.shape[0]
+    Hq = wm.shape[1] * wm.shape[2]
+    m2 = wm.reshape((W, Hq))
+    l2 = wl.reshape((W, Hq))
+    acc2 = wacc.reshape((W, Hq, wacc.shape[3]))
+    for it in range(a, b):
+        merge_rows(m2, l2, acc2, items[it, 1], items[it, 2], 0, out[items[it, 0]], scale)
+
+
+@njit(cache=True, fastmath=FAST)
+def _workspace(q, H, Dv, num_slots):
+    G = q.shape[1] // H
+    return (np.empty((num_slots, H, G), q.dtype), np.empty((num_slots, H, G), q.dtype),
+            np.empty((num_slots, H, G, Dv), q.dtype))
+
+
+@njit(cache=True, fastmath=FAST)
+def query_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, scale,
+                 window, out, units, items, num_slots, block, ahead, acc0):
+    """Every unit on the calling thread, then the merge of the split queries (units empty: one per query)."""
+    wm, wl, wacc = _workspace(q, k_pages.shape[1], v_pages.shape[3], num_slots)
+    n = units.shape[0] if units.shape[0] else query_pos.shape[0]
+    query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, window,
+                scale, out, units, 0, n, block, ahead, wm, wl, wacc, acc0)
+    merge_items(out, items, 0, items.shape[0], wm, wl, wacc, scale)
+    return out
+
+
+@njit(parallel=True, cache=True, fastmath=FAST)
+def query_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, scale,
+                   window, out, units, bounds, items, num_slots, block, ahead, acc0):
+    """The units of `plan_units` on all threads: one prange iteration per chunk of units (each owns its units'
+    outputs and workspace slots), then the split queries are merged (prange over items when there are enough;
+    each query's parts always in slot order)."""
+    H = k_pages.shape[1]
+    wm, wl, wacc = _workspace(q, H, v_pages.shape[3], num_slots)
+    nch = bounds.shape[0] - 1
+    for ck in prange(nch):
+        query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos,
+                    window, scale, out, units, bounds[ck], bounds[ck + 1], block, ahead, wm, wl, wacc, acc0)
+    n = items.shape[0]
+    if n >= nch and wacc.size >= 1 << 16:
+        for ck in prange(nch):
+            merge_items(out, items, ck * n // nch, (ck + 1) * n // nch, wm, wl, wacc, scale)
+    else:
+        merge_items(out, items, 0, n, wm, wl, wacc, scale)
+    return out

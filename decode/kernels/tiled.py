@@ -1,0 +1,303 @@
+"""The tiled multi-query kernel (extend, prefill, speculative verification): runs of consecutive queries of one
+sequence attend over its pages with every K/V block loaded once per tile of rows.
+
+A *run* is T >= 1 queries i0..i0+T-1 of one sequence at consecutive positions p0..p0+T-1 (query i0+t reads keys
+lo(t)..p0+t, lo = 0 or max(0, p0+t-window+1)). A *tile* is up to `tokens` consecutive queries of a run with the G
+query heads of one kv head h: rows r = t*G + g (token-major). Per tile, keys are taken `block` at a time:
+
+    Kb [nb, D] <- the block's K rows (widened by the format's loader, `loaders.block_rows`), ST [nb, R] = Kb @ QT
+    (QT [D, R]: the tile's queries, transposed once per tile; accumulated in float32, or in float64 for
+    precision="highest": every product exact, each score rounded once into ST; the scale is applied to the dot
+    products), the online softmax runs down ST's columns (one per row: the max, exp and sum vectorise over
+    rows), O [R, Dv] += P @ Vb with P read as ST transposed.
+
+Both products go through `gemm.gemm4` (4 x up to 64 register blocks). Only blocks that cross the causal diagonal
+(or the window's lower edge) are masked; masked entries get weight exactly 0. A unit of work is (run, kv head,
+tile, key range [ka, kb)); a unit whose range is a part of the tile's keys (split: fewer units than threads)
+stores its partial (max, sum, unnormalised O) in a workspace slot and the parts are merged afterwards.
+
+Layout as in `decode.kernels` (q / out [num_queries, num_q_heads, head_dim(_v)], pages head-major, CSR page
+table). runs: int64 [num_runs, 4] = (sequence, first query, count, first position).
+units: int64 [num_units, 7] = (run, kv head, first token of the tile in the run, tokens, ka, kb, slot or -1).
+items: int64 [num_split, 5] = (run, kv head, first token, tokens, first slot) of split tiles; each tile's parts
+occupy consecutive slots in key order, their number in `item_parts`.
+"""
+import numpy as np
+from numba import njit, prange
+
+from .gemm import MR, gemm4
+from .loaders import block_rows
+from .simd import EXP_FLAGS, FAST, exp_inline
+from .units import merge_rows
+
+NEG = -3.0e38         # "no key yet" running max: finite (fastmath), below every admissible score
+
+
+@njit(cache=True, fastmath=FAST)
+def _load_tile(q, i0, nt, h, G, QT, Rp):
+    """QT[d, t*G + g] = q[i0 + t, h*G + g, d]; rows R..Rp-1 zero."""
+    D = q.shape[2]
+    R = nt * G
+    for t in range(nt):
+        for g in range(G):
+            src = q[i0 + t, h * G + g]
+            r = t * G + g
+            for d in range(D):
+                QT[d, r] = src[d]
+    for d in range(D):
+        row = QT[d]
+        for r in range(R, Rp):
+            row[r] = 0.0
+
+
+@njit(cache=True, fastmath=FAST)
+def _copy_block(pool, scales, pages, h, b0, nb, dst, st):
+    """dst[j, :width] = the rows of kv head h at absolute positions b0 + j (j < nb) of the sequence with page row
+    `pages`, widened by the format's loader (`loaders.block_rows`; int8 pools with their scales, st its float32
+    scratch); rows nb..(nb rounded up to MR)-1 set to zero. A tile-local scratch: the pool is read directly."""
+    P = pool.shape[2]
+    W = pool.shape[3]
+    t = b0
+    j = 0
+    while j < nb:
+        pg = t // P
+        s0 = t - pg * P
+        s1 = min(P, s0 + nb - j)
+        block_rows(pool[pages[pg], h], scales, pages[pg], h, s0, s1, dst, j, st)
+        j += s1 - s0
+        t += s1 - s0
+    for jj in range(nb, -(-nb // MR) * MR):
+        row = dst[jj]
+        for d in range(W):
+            row[d] = 0.0
+
+
+@njit(cache=True, fastmath=EXP_FLAGS)
+def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi, neg):
+    """Online softmax over the block's dot products ST[:nb, :Rp] (column r = row r of the tile, key b0 + j):
+    scores = dots * sc (the scale applied after the dot, as a plain computation does), new running max m,
+    alpha = exp(old max - new max), l = alpha * l + sum of weights, ST <- weights (exactly 0 where masked).
+    Every loop runs down the rows r (contiguous, no reduction across lanes) so that it vectorises: selects, not
+    max() or branches, and the exp inlined. jlo / jhi: int32 scratch [>= Rp] (row r sees block keys
+    jlo[r]..jhi[r]); neg: NEG in the compute dtype."""
+    z = neg - neg
+    for r in range(Rp):
+        alpha[r] = m[r]
+    if masked:
+        for r in range(Rp):
+            jlo[r] = max(-1, min(nb, rlo[r] - b0))
+            jhi[r] = max(-1, min(nb, rpos[r] - b0))
+        for j in range(nb):
+            row = ST[j]
+            for r in range(Rp):
+                x = row[r] * sc
+                row[r] = x
+                x = x if (j >= jlo[r]) & (j <= jhi[r]) else neg
+                a = alpha[r]
+                alpha[r] = x if x > a else a
+    else:
+        for j in range(nb):
+            row = ST[j]
+            for r in range(Rp):
+                x = row[r] * sc
+                row[r] = x
+                a = alpha[r]
+                alpha[r] = x if x > a else a
+    for r in range(Rp):          # alpha holds the new max here
+        mn = alpha[r]
+        a = exp_inline(m[r] - mn)
+        m[r] = mn
+        l[r] *= a
+        alpha[r] = a
+    if masked:
+        for j in range(nb):
+            row = ST[j]
+            for r in range(Rp):
+                d = row[r] - m[r]
+                p = exp_inline(d if d < z else z)      # masked entries may lie above a row's max
+                p = p if (j >= jlo[r]) & (j <= jhi[r]) else z
+                row[r] = p
+                l[r] += p
+    else:
+        for j in range(nb):
+            row = ST[j]
+            for r in range(Rp):
+                p = exp_inline(row[r] - m[r])
+                row[r] = p
+                l[r] += p
+
+
+@njit(cache=True, fastmath=FAST)
+def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, nt, ka, kb, window, sc, block,
+                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st):
+    """Unnormalised attention of one tile (queries i0..i0+nt-1 at positions pos0.., kv head h) over the keys in
+    [ka, kb) of the sequence with page row `pages` (sc: the score scale in the compute dtype). Leaves m[R], l[R],
+    O[R, :Dv] (R = nt * G; rows padded to the vector width are zero queries). Scratch: QT [D, >=Rp] and Kb [>=block+3, D]
+    (the score GEMM's accumulation dtype: float32, float64 for precision="highest"), Vb [>=block+3, Dvp] (columns
+    Dv..Dvp-1 zero), ST [>=block+3, >=Rp], O [>=Rp, Dvp], m / l / alpha / rpos / rlo / jlo / jhi [>=Rp]; neg: NEG in the compute dtype.
+    k_scales / v_scales: the int8 pools' scales, None for float pools; st: the loader's float32 scratch."""
+    D = q.shape[2]
+    Dvp = Vb.shape[1]
+    L = 8 if O.itemsize == 8 else 16
+    LK = 8 if QT.itemsize == 8 else 16    # lanes of the score GEMM (its accumulation dtype: QT's)
+    R = nt * G
+    Rp = -(-R // L) * L
+    _load_tile(q, i0, nt, h, G, QT, Rp)
+    for r in range(Rp):
+        p = pos0 + min(r, R - 1) // G
+        rpos[r] = p
+        rlo[r] = max(0, p - window + 1) if window > 0 else 0
+        m[r] = neg
+        l[r] = 0.0
+        row = O[r]
+        for d in range(Dvp):
+            row[d] = 0.0
+    lo = max(ka, rlo[0])
+    hi = min(kb, pos0 + nt)
+    b0 = lo
+    while b0 < hi:
+        b1 = min(hi, b0 + block)
+        nb = b1 - b0
+        nbp = -(-nb // MR) * MR
+        _copy_block(k_pages, k_scales, pages, h, b0, nb, Kb, st)
+        for j in range(0, nbp, MR):
+            c = 0
+            while c < Rp:
+                nv = min(4, (Rp - c) // LK)
+                gemm4(Kb, D, 1, j, QT, c, ST, D, nv, 1)
+                c += nv * LK
+        masked = (b1 - 1 > rpos[0]) | (b0 < rlo[R - 1])
+        _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi, neg)
+        for r in range(Rp):
+            a = alpha[r]
+            if a != 1.0:
+                row = O[r]
+                for d in range(Dvp):
+                    row[d] *= a
+        _copy_block(v_pages, v_scales, pages, h, b0, nb, Vb, st)
+        st_cols = ST.shape[1]
+        for r in range(0, Rp, MR):
+            c = 0
+            while c < Dvp:
+                nv = min(4, (Dvp - c) // L)
+                gemm4(ST, 1, st_cols, r, Vb, c, O, nb, nv, 0)
+                c += nv * L
+        b0 = b1
+
+
+@njit(cache=True, fastmath=FAST)
+def _store_tile(O, l, out, i0, nt, h, G):
+    """out[i0 + t, h*G + g, :] = O[t*G + g, :Dv] / l[t*G + g]."""
+    Dv = out.shape[2]
+    for t in range(nt):
+        for g in range(G):
+            r = t * G + g
+            inv = 1.0 / l[r]
+            src = O[r]
+            dst = out[i0 + t, h * G + g]
+            for d in range(Dv):
+                dst[d] = src[d] * inv
+
+
+@njit(cache=True, fastmath=FAST)
+def tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, u0, u1, window,
+                scale, block, tokens, out, wm, wl, wacc, acc0):
+    """Process units u0..u1-1 with one set of scratch buffers (the serial kernel, and each parallel chunk's
+    body). tokens: the most queries per tile (bounds the scratch); block: keys per score tile; acc0: a zero of
+    the score GEMM's accumulation dtype (float32; float64 for precision="highest"). int8 pools (float32 q):
+    k_scales / v_scales uint16 [num_pages, num_kv_heads, page_size, ceil(width / 32)], else None."""
+    Hkv = k_pages.shape[1]
+    G = q.shape[1] // Hkv
+    D = q.shape[2]
+    Dv = v_pages.shape[3]
+    dt = q.dtype
+    L = 8 if q.itemsize == 8 else 16
+    Rmax = -(-(tokens * G) // L) * L
+    Dvp = -(-Dv // L) * L
+    QT = np.full((D, Rmax), acc0)
+    Kb = np.full((block + MR, D), acc0)
+    Vb = np.zeros((block + MR, Dvp), dt)
+    ST = np.empty((block + MR, Rmax), dt)
+    O = np.empty((Rmax, Dvp), dt)
+    m = np.empty(Rmax, dt)
+    l = np.empty(Rmax, dt)
+    alpha = np.empty(Rmax, dt)
+    rpos = np.empty(Rmax, np.int64)
+    rlo = np.empty(Rmax, np.int64)
+    jlo = np.empty(Rmax, np.int32)
+    jhi = np.empty(Rmax, np.int32)
+    st = np.empty(k_pages.shape[2] * (-(-max(D, Dv) // 32)), np.float32)
+    neg = np.full(1, NEG, dt)[0]
+    sc = np.full(1, scale, dt)[0]        # the scale in the compute dtype
+    for u in range(u0, u1):
+        run = units[u, 0]
+        h = units[u, 1]
+        t0 = units[u, 2]
+        nt = units[u, 3]
+        slot = units[u, 6]
+        s = runs[run, 0]
+        i0 = runs[run, 1] + t0
+        pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
+        attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, runs[run, 3] + t0, nt, units[u, 4],
+                    units[u, 5], window, sc, block, QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st)
+        if slot < 0:
+            _store_tile(O, l, out, i0, nt, h, G)
+        else:
+            R = nt * G
+            for r in range(R):
+                wm[slot, r] = m[r]
+                wl[slot, r] = l[r]
+                src = O[r]
+                dst = wacc[slot, r]
+                for d in range(Dv):
+                    dst[d] = src[d]
+
+
+@njit(cache=True, fastmath=FAST)
+def merge_tiles(runs, items, item_parts, a, b, G, wm, wl, wacc, out):
+    """Merge the parts of split tiles a..b-1 into out (`units.merge_rows`, parts in slot = key order; the tile's
+    maxima are of scaled scores already)."""
+    for it in range(a, b):
+        h = items[it, 1]
+        i0 = runs[items[it, 0], 1] + items[it, 2]
+        for t in range(items[it, 3]):
+            merge_rows(wm, wl, wacc, items[it, 4], item_parts[it], t * G, out[i0 + t, h * G:(h + 1) * G], 1.0)
+
+
+@njit(cache=True, fastmath=FAST)
+def _tile_workspace(q, tokens, G, Dv, num_slots):
+    R = tokens * G
+    return (np.empty((num_slots, R), q.dtype), np.empty((num_slots, R), q.dtype),
+            np.empty((num_slots, R, Dv), q.dtype))
+
+
+@njit(cache=True, fastmath=FAST)
+def tiled_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, items,
+                 item_parts, num_slots, window, scale, block, tokens, out, acc0):
+    """Every unit of `units.plan_tiles` on the calling thread, then the split tiles' merge."""
+    G = q.shape[1] // k_pages.shape[1]
+    wm, wl, wacc = _tile_workspace(q, tokens, G, v_pages.shape[3], num_slots)
+    tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, 0, units.shape[0],
+                window, scale, block, tokens, out, wm, wl, wacc, acc0)
+    merge_tiles(runs, items, item_parts, 0, items.shape[0], G, wm, wl, wacc, out)
+    return out
+
+
+@njit(parallel=True, cache=True, fastmath=FAST)
+def tiled_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, bounds, items,
+                   item_parts, num_slots, window, scale, block, tokens, out, acc0):
+    """The units of `units.plan_tiles` on all threads (one prange iteration per chunk: it owns its units' outputs
+    and workspace slots), then the split tiles' parts are merged (each tile's in slot order)."""
+    G = q.shape[1] // k_pages.shape[1]
+    wm, wl, wacc = _tile_workspace(q, tokens, G, v_pages.shape[3], num_slots)
+    nch = bounds.shape[0] - 1
+    for ck in prange(nch):
+        tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, bounds[ck],
+                    bounds[ck + 1], window, scale, block, tokens, out, wm, wl, wacc, acc0)
+    n = items.shape[0]
+    if n >= nch:
+        for ck in prange(nch):
+            merge_tiles(runs, items, item_parts, ck * n // nch, (ck + 1) * n // nch, G, wm, wl, wacc, out)
+    else:
+        merge_tiles(runs, items, item_parts, 0, n, G, wm, wl, wacc, out)
+    return out

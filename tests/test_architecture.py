@@ -1,0 +1,140 @@
+"""The layers of the house, checked from the source: no import circle among our modules, kvcache never imports
+decode, the library (kvcache, decode outside decode.app) never imports `reference` or the programs, and
+reference imports nothing of ours; every module imports. The graph is read from the AST of every file
+(imports inside functions included), so a lazy import counts like any other."""
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("kvcache", "decode", "reference")
+
+
+def module_files() -> dict[str, pathlib.Path]:
+    """{dotted module name: file} of every module of our packages."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports_of(name: str, path: pathlib.Path, modules) -> set[str]:
+    """Our modules that ``name`` (the module in ``path``) imports: ``from x import y`` names module ``x.y`` when
+    that is a module, else ``x``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module
+            targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:      # `import a.b.c` of a name inside a module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_files()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` as a list of modules (first == last), or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def is_library(module: str) -> bool:
+    return module.split(".")[0] in ("kvcache", "decode") and not (module == "decode.app" or
+                                                                    module.startswith("decode.app."))
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that goes the wrong way between the layers."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            top = target.split(".")[0]
+            if module.startswith("kvcache") and top == "decode":
+                bad.append(f"{module} -> {target}: kvcache never imports decode")
+            if is_library(module) and (top == "reference" or target == "decode.app" or target.startswith("decode.app.")):
+                bad.append(f"{module} -> {target}: the library never imports reference or the programs")
+            if module.startswith("reference") and top != "reference":
+                bad.append(f"{module} -> {target}: reference imports nothing of ours")
+    return bad
+
+
+def test_the_checks_can_fail():
+    """The checks themselves, on graphs made to be wrong."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    wrong = {"kvcache.cache": {"decode.attention"}, "decode.decoder": {"reference.dense"},
+             "decode.hf.cache": {"decode.app.cli"}, "reference.oracle": {"kvcache"},
+             "decode.app.demo": {"reference.dense", "decode"}}
+    assert len(layer_violations(wrong)) == 4
+
+
+def test_resolves_relative_and_submodule_imports(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from . import c\nfrom .. import b\nfrom ..a import thing\nimport numpy\n"
+                    "def f():\n    import pkg.d.Thing\n")
+    modules = {"pkg", "pkg.a", "pkg.b", "pkg.d", "pkg.sub", "pkg.sub.c"}
+    assert imports_of("pkg.sub.m", path, modules) == {"pkg.a", "pkg.b", "pkg.d", "pkg.sub.c"}
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    assert "kvcache.transaction" in graph["kvcache.cache"] and "kvcache.appender" in graph["kvcache.transaction"]
+    assert find_cycle(graph) is None, f"import circle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_imports_go_down_the_layers():
+    assert layer_violations(import_graph()) == []
+
+
+@pytest.mark.parametrize("module", sorted(module_files()))
+def test_every_module_imports(module):
+    if module.startswith(("decode.hf", "decode.app.hf_compare")):
+        pytest.importorskip("transformers")
+    if module.startswith("decode.distributed"):
+        pytest.importorskip("ray")
+    if module.startswith(("decode.serve", "decode.app.serve")):
+        pytest.importorskip("fastapi")
+    if module == "reference.plot":
+        pytest.importorskip("matplotlib")
+    importlib.import_module(module)
