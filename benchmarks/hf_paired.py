@@ -51,7 +51,8 @@ def table(rows: list[dict]) -> str:
             return f"{r.get(f'{o}_over_paged_{what}', float('nan')):.2f}"
 
         cpu = ", ".join(f"{r[f'{o}_decode_cpu_s'] / r['paged_decode_cpu_s']:.2f}" for o in impls if o != "paged")
-        lines.append(f"| {r['model_dtype']} | {r['prompt']} x {r['batch']} | {r['layers']} | {r['storage']} | "
+        pages = {"uint16": "bfloat16"}.get(r["storage"], r["storage"])        # early runs named bf16's bit dtype
+        lines.append(f"| {r['model_dtype']} | {r['prompt']} x {r['batch']} | {r['layers']} | {pages} | "
                      + " / ".join(f"{r[f'{i}_prefill_s']:.2f}" for i in impls) + " | "
                      + " / ".join(f"{1e3 * r[f'{i}_decode_s']:.1f}" for i in impls) + " | "
                      + " | ".join(f"{ratio(o, 'prefill')}, {ratio(o, 'decode')}" for o in impls if o != "paged")
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
     result = {"prompt": args.prompt, "batch": args.batch, "thin_prefill": args.thin_prefill, "layers": args.layers,
               "threads": args.threads, "steps": args.steps, "model_dtype": args.model_dtype, "impls": impls,
               "prefill_repeats": args.prefill_repeats,
-              "storage": (str(caches["paged"].pool.config.dtype) if "paged" in impls else None),
+              "storage": (caches["paged"].pool.config.storage if "paged" in impls else None),
               **{f"{impl}_prefill_s": statistics.median(t[0] for t in prefill[impl]) for impl in impls},
               **{f"{impl}_prefill_cpu_s": statistics.median(t[1] for t in prefill[impl]) for impl in impls},
               **{f"{impl}_decode_s": statistics.median(s[0] for s in steps[impl]) for impl in impls},

@@ -97,7 +97,10 @@ def run_vllm(args, workload, warm) -> tuple[dict, dict]:
     from vllm.inputs import TokensPrompt
 
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in workload) + 16
-    llm = LLM(model=args.checkpoint, skip_tokenizer_init=True, dtype="auto", max_model_len=max_len,
+    with open(os.path.join(args.checkpoint, "config.json")) as f:            # vLLM's "auto" downcasts float32
+        config = json.load(f)                                                 # checkpoints to bfloat16
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    llm = LLM(model=args.checkpoint, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_len,
               kv_cache_memory_bytes=args.kv_budget, block_size=max(32, args.block_size),
               max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_seqs, enforce_eager=True)
     llm.generate([TokensPrompt(prompt_token_ids=warm)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
@@ -120,7 +123,7 @@ def run_vllm(args, workload, warm) -> tuple[dict, dict]:
         return out
 
     times = drive(workload, add, step, engine.has_unfinished_requests, clock)
-    return times, {"vllm": vllm.__version__, "block_size": max(32, args.block_size), "enforce_eager": True,
+    return times, {"vllm": vllm.__version__, "vllm_dtype": dtype, "block_size": max(32, args.block_size), "enforce_eager": True,
                    "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}
 
 

@@ -77,7 +77,7 @@ def summarize(runs: list[dict], modes) -> list[dict]:
         for r in run["results"]:
             key = (r["kind"], r["case"], r["dtype"])
             meta.setdefault(key, {})[r["impl"]] = r
-            for mode in modes:
+            for mode in (m for m in modes if m in r):
                 cells.setdefault((*key, mode, r["impl"]), []).append(r[mode]["median_s"])
                 cells.setdefault((*key, mode, r["impl"] + "_best"), []).append(r[mode]["min_s"])
                 if "attn_s" in r[mode]:
@@ -85,6 +85,8 @@ def summarize(runs: list[dict], modes) -> list[dict]:
     rows = []
     for key, impls in meta.items():
         for mode in modes:
+            if not any(mode in r for r in impls.values()):
+                continue
             row = {"kind": key[0], "case": key[1], "dtype": key[2], "mode": mode}
             for impl in ("engine", "vllm", "vllm_attn", "sdpa", "engine_best", "vllm_best", "sdpa_best"):
                 got = cells.get((*key, mode, impl))
@@ -94,7 +96,8 @@ def summarize(runs: list[dict], modes) -> list[dict]:
                     row[f"{impl}_spread"] = (max(got) - min(got)) / statistics.median(got)
             for impl in impls:
                 row[f"{impl}_rel_err"] = impls[impl]["rel_err"]
-                row[f"{impl}_cold_mib"] = impls[impl][mode]["cold_mib"]
+                if mode in impls[impl]:
+                    row[f"{impl}_cold_mib"] = impls[impl][mode]["cold_mib"]
             if "vllm" in impls:
                 row["vllm_metadata_s"] = impls["vllm"]["metadata_s"]
                 row["vllm_isa"] = impls["vllm"]["isa"]
@@ -179,7 +182,16 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="JSON of every process and the summary")
     p.add_argument("--markdown", default=None, help="write the tables here")
+    p.add_argument("--from-json", default=None, help="re-render the tables of a saved --out file (even a partial "
+                   "one: the runs so far)")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        runs = saved["runs"]
+        info = saved.get("info") or {"summary": f"partial run: {len(runs)} processes, "
+                                                f"{1 + max(r['round'] for r in runs)} round(s) begun"}
+        common.write_results(markdown(summarize(runs, args.modes.split(",")), info), saved, None, args.markdown)
+        return 0
     impls = args.impls.split(",")
     why = vllm_available(args.vllm_python) if "vllm" in impls else None
     if why:
