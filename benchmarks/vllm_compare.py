@@ -135,6 +135,8 @@ def markdown(rows: list[dict], info: dict) -> str:
         out += [f"**{title}**", "", head, "|---|---|" + "---|---|" * len(dtypes) + ("---|" * len(dtypes) if sdpa else "")]
         for case in dict.fromkeys(r["case"] for r in sel):
             for mode in dict.fromkeys(r["mode"] for r in sel):
+                if not any(x["case"] == case and x["mode"] == mode for x in sel):
+                    continue
                 cells = []
                 mib = None
                 for d in dtypes:
