@@ -101,9 +101,9 @@ class Decoder:
         self.cache, self.seq = cache, new_seq()
         self.num_q_heads = num_q_heads
         self.scale = float(scale)
-        self.inputs = InputChecks(cache, num_q_heads, self.scale)    # the input checks (`decode.inputs`)
-        self.q_dtype = self.inputs.q_dtype                       # working precision of q and the outputs
-        self.pools = LayerPools(cache)                           # per-layer page views (`decode.attention_plan`)
+        # what the Decoder API's other modules share (decoder_transaction, batch, attention_plan, distributed):
+        self.inputs = InputChecks(cache, num_q_heads, self.scale)   # the input checks, ``q_dtype`` (`decode.inputs`)
+        self.pools = LayerPools(cache)                          # per-layer page views (`decode.attention_plan`)
 
     # -- state --------------------------------------------------------------------------------------------
     @property
@@ -196,12 +196,3 @@ class Decoder:
         """Give this sequence's pages back to the pool; the decoder is unusable afterwards."""
         self.cache.free(self.seq)
 
-    # -- checks (`decode.inputs`) -------------------------------------------------------------------------
-    def check_kv(self, k, v, num_tokens: int):
-        """``k [T, num_kv_heads, head_dim]``, ``v [T, num_kv_heads, head_dim_v]`` validated (`KVCache.check_kv`,
-        then the magnitude limits) and cast to the storage dtype."""
-        return self.inputs.kv(k, v, num_tokens)
-
-    def check_query(self, q, num_tokens: int) -> np.ndarray:
-        """``q [T, num_q_heads, head_dim]`` validated (float, finite) and cast to the working precision."""
-        return self.inputs.query(q, num_tokens)

@@ -108,7 +108,7 @@ class DecoderTransaction(CommitOnExit):
         """One token per decoder: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``,
         ``v [B, num_kv_heads, head_dim_v]`` with B = number of decoders (the B axis may be dropped for one
         decoder) -> ``[B, num_q_heads, head_dim_v]``. ``checked``: ``[B, ...]`` arrays validated and cast by
-        `Decoder.check_query` / `check_kv` already."""
+        `Decoder.inputs` already."""
         if (q.ndim if type(q) is np.ndarray else np.ndim(q)) == 2 and self._counts == [1]:
             try:                                    # `_guard`, inlined: the per-layer path of a decode step
                 if not self._open:
@@ -156,5 +156,5 @@ class DecoderTransaction(CommitOnExit):
                                                     self._tx.indices, self._tx.indptr, self._tx.positions,
                                                     self._counts, q.shape,
                                                     dec.window, self._query_seq(), self._query_pos())
-        out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
+        out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.inputs.q_dtype)
         return plan.run_layer(dec.pools, layer, q, dec.scale, dec.window, out)

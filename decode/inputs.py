@@ -195,7 +195,7 @@ def check_tokens(decoders, counts, q, k, v):
     dec = decoders[0]
     if not any(isinstance(x, (list, tuple)) for x in (q, k, v)):
         total = sum(counts)
-        return (None if q is None else dec.check_query(q, total)), *dec.check_kv(k, v, total)
+        return (None if q is None else dec.inputs.query(q, total)), *dec.inputs.kv(k, v, total)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x is None and name == "q":
             continue
@@ -208,8 +208,8 @@ def check_tokens(decoders, counts, q, k, v):
     for b, count in enumerate(counts):
         try:
             if q is not None:
-                parts[0].append(dec.check_query(q[b], count))
-            kb, vb = dec.check_kv(k[b], v[b], count)
+                parts[0].append(dec.inputs.query(q[b], count))
+            kb, vb = dec.inputs.kv(k[b], v[b], count)
         except (TypeError, ValueError) as e:
             msg = str(e)
             raise type(e)(f"{msg[0]}[{b}]{msg[1:]}" if msg[1:2] == ":" else msg) from None
