@@ -108,9 +108,10 @@ def qk4_int8(qs, kp, st, s0, s1, S, c0, kt):
     g4 = G - G % 4
     t4 = s0 + (s1 - s0) // 4 * 4
     for g in range(0, g4, 4):
+        S0, S1, S2, S3 = S[g], S[g + 1], S[g + 2], S[g + 3]
         c = c0
         for t in range(s0, t4, 4):
-            store44(S, g, c, dot44_i8(qs, g, kp, t, st, NG, full))
+            store44(S0, S1, S2, S3, c, dot44_i8(qs, g, kp, t, st, NG, full))
             c += 4
     if full < NG:                                        # the short last group of the block rows
         for g in range(g4):

@@ -253,7 +253,7 @@ if JIT:
         name = "llvm.fma.v%d%s" % (lanes, "f64" if lanes == 8 else "f32")
         return _cg.get_or_insert_function(builder.module, _ir.FunctionType(vt, [vt, vt, vt]), name)
 
-    def _reduce_many(builder, accs, lanes):
+    def reduce_many_ir(builder, accs, lanes):
         """Sums of n accumulators (<lanes x T>, n a power of two) by a butterfly of shuffles: each stage halves
         the lanes per partial sum and doubles the sums per vector (n - 1 shuffle pairs instead of n reductions)."""
         vs = list(accs)
@@ -290,7 +290,7 @@ if JIT:
                 out[k] = builder.extract_element(v, _ir.Constant(_I32, lane))
         return out
 
-    def _widen_halves(builder, acc):
+    def widen_halves_ir(builder, acc):
         """<16 x float> -> <8 x double>: its low and high halves widened exactly and added (one rounding)."""
         dv = _ir.VectorType(_ir.DoubleType(), 8)
         lo = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_I32, 8), list(range(8))))
@@ -338,10 +338,10 @@ if JIT:
                     step(full, lambda ptr, st: _vload_masked(context, builder, ptr, st, lanes, vt, mask))
                 accs = [builder.load(sl) for sl in slots]
                 if lanes == 16:         # float32 lanes: their sums in float64, one rounding into each score
-                    accs = [_widen_halves(builder, a) for a in accs]
-                    sums = [builder.fptrunc(x, ft) for x in _reduce_many(builder, accs, 8)]
+                    accs = [widen_halves_ir(builder, a) for a in accs]
+                    sums = [builder.fptrunc(x, ft) for x in reduce_many_ir(builder, accs, 8)]
                 else:
-                    sums = _reduce_many(builder, accs, lanes)
+                    sums = reduce_many_ir(builder, accs, lanes)
                 return context.make_tuple(builder, sig.return_type, sums)
 
             return types.UniTuple(qs.dtype, ng * nt)(qs, g, kp, t, n, last), codegen
