@@ -395,6 +395,19 @@ def pedantic(benchmark, target, **kwargs):
     return result
 
 
+def write_results(text: str, payload: dict, out_json=None, out_markdown=None) -> None:
+    """Print a comparison's tables; save its JSON and its markdown where asked (the peer / serving drivers)."""
+    import json
+
+    print(text)
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(payload, f, indent=1)
+    if out_markdown:
+        with open(out_markdown, "w") as f:
+            f.write(text + "\n")
+
+
 def choose_rounds(seconds_per_call: float, budget: float, minimum: int = 5, maximum: int = 5000) -> int:
     return int(min(maximum, max(minimum, budget / max(seconds_per_call, 1e-7))))
 

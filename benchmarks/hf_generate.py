@@ -97,7 +97,7 @@ def run_generate(args, model, ids):
 def storage_name(args, cache) -> str:
     """The K/V element type the cache holds: PagedCache's pool dtype, else the model's."""
     if args.impl == "paged":
-        return str(getattr(cache.pool, "dtype", None) or cache.pool.config.dtype)
+        return cache.pool.config.storage
     return args.model_dtype
 
 

@@ -38,8 +38,31 @@ def make_cache(impl, model, args, max_len):
     return PagedCache(model.config, max_tokens=args.batch * (max_len + 128), page_size=64, **kwargs)
 
 
+def table(rows: list[dict]) -> str:
+    """Markdown of saved ``--json`` results (`python -m benchmarks.hf_paired --table F.jsonl`): the paired ratios
+    other / paged (> 1: PagedCache faster) of wall time and of CPU time, beside the medians."""
+    lines = ["| model | prompt x batch | layers | pages | prefill dynamic / static / paged (s) | decode step dynamic / "
+             "static / paged (ms) | dynamic÷paged prefill, decode | static÷paged prefill, decode | CPU-time "
+             "ratios dynamic÷paged, static÷paged decode |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        impls = [i for i in ("dynamic", "static", "paged") if f"{i}_decode_s" in r]
+
+        def ratio(o, what):
+            return f"{r.get(f'{o}_over_paged_{what}', float('nan')):.2f}"
+
+        cpu = ", ".join(f"{r[f'{o}_decode_cpu_s'] / r['paged_decode_cpu_s']:.2f}" for o in impls if o != "paged")
+        pages = {"uint16": "bfloat16"}.get(r["storage"], r["storage"])        # early runs named bf16's bit dtype
+        lines.append(f"| {r['model_dtype']} | {r['prompt']} x {r['batch']} | {r['layers']} | {pages} | "
+                     + " / ".join(f"{r[f'{i}_prefill_s']:.2f}" for i in impls) + " | "
+                     + " / ".join(f"{1e3 * r[f'{i}_decode_s']:.1f}" for i in impls) + " | "
+                     + " | ".join(f"{ratio(o, 'prefill')}, {ratio(o, 'decode')}" for o in impls if o != "paged")
+                     + f" | {cpu} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", default=None, help="print the markdown table of a file of --json lines and exit")
     p.add_argument("--prompt", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=32)
@@ -57,6 +80,10 @@ def main(argv=None) -> int:
                         "are then the narrow model's")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(table([json.loads(line) for line in f if line.strip()]))
+        return 0
 
     import numba
     import torch
@@ -114,7 +141,7 @@ def main(argv=None) -> int:
     result = {"prompt": args.prompt, "batch": args.batch, "thin_prefill": args.thin_prefill, "layers": args.layers,
               "threads": args.threads, "steps": args.steps, "model_dtype": args.model_dtype, "impls": impls,
               "prefill_repeats": args.prefill_repeats,
-              "storage": (str(caches["paged"].pool.config.dtype) if "paged" in impls else None),
+              "storage": (caches["paged"].pool.config.storage if "paged" in impls else None),
               **{f"{impl}_prefill_s": statistics.median(t[0] for t in prefill[impl]) for impl in impls},
               **{f"{impl}_prefill_cpu_s": statistics.median(t[1] for t in prefill[impl]) for impl in impls},
               **{f"{impl}_decode_s": statistics.median(s[0] for s in steps[impl]) for impl in impls},

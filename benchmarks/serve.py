@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import common
 from benchmarks.serve_workload import make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,7 @@ MODEL = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, n
              vocab_size=32000)
 QUICK_MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    vocab_size=512)
-METRICS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_rss_bytes",
+METRICS = ("output_tokens_per_s", "output_tokens_per_cpu_s", "run_cpu_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_rss_bytes",
            "makespan_s")
 
 
@@ -105,17 +106,19 @@ def fmt_s(x) -> str:
 
 def markdown(rows: list[dict], info: dict) -> str:
     out = [f"Workload: {info['workload_text']}", "", f"Run: {info['run_text']}", ""]
-    out += ["| dtype | workload | system | output tok/s | engine ÷ system | TTFT p50 / p99 | ITL p50 / p99 | "
-            "peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    out += ["| dtype | workload | system | output tok/s | engine ÷ system | output tok per CPU-s | TTFT p50 / p99 | "
+            "ITL p50 / p99 | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
     order = {s: i for i, s in enumerate(SYSTEMS)}
     for row in sorted(rows, key=lambda r: (r["dtype"], r["workload"], order.get(r["system"], 9))):
         if "error" in row:
             out.append(f"| {row['dtype']} | {row['workload']} | {LABELS[row['system']]} | failed: "
-                       f"{row['error'].splitlines()[-1][:150]} | | | | |")
+                       f"{row['error'].splitlines()[-1][:150]} | | | | | |")
             continue
         ratio = row.get("engine_throughput_ratio")
+        per_cpu = row.get("output_tokens_per_cpu_s")
         out.append(f"| {row['dtype']} | {row['workload']} | {LABELS[row['system']]} | "
                    f"{row['output_tokens_per_s']:.1f} | {'—' if ratio is None else f'{ratio:.2f}x'} | "
+                   f"{'—' if per_cpu is None else f'{per_cpu:.1f}'} | "
                    f"{fmt_s(row.get('ttft_p50_s'))} / {fmt_s(row.get('ttft_p99_s'))} | "
                    f"{fmt_s(row.get('itl_p50_s'))} / {fmt_s(row.get('itl_p99_s'))} | "
                    f"{row['peak_rss_bytes'] / 2 ** 20:.0f} |")
@@ -172,7 +175,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--from-json", default=None,
+                   help="comma-separated --out files of earlier runs: re-render their table (and --plot) together")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = [json.loads(Path(f).read_text()) for f in args.from_json.split(",")]
+        rows = summarize([r for s in saved for r in s["runs"]])
+        text = "\n\n".join(markdown([], s["info"]).split("\n\n| dtype")[0] for s in saved)
+        common.write_results(text + "\n\n" + markdown(rows, saved[0]["info"]).split("\n\n", 2)[2],
+                             {"summary": rows}, args.out, args.markdown)
+        if args.plot:
+            plot(rows, Path(args.plot))
+        return 0
     dims = QUICK_MODEL if args.quick else MODEL
     if args.quick:
         args.requests, args.layers, args.new, args.prompt_median = 4, 2, 8, 32
@@ -224,12 +238,8 @@ def main(argv=None) -> int:
                          f"per process, fresh process per cell; load average (1 min) at the end of each process "
                          f"{min(load, default=0):.1f}-{max(load, default=0):.1f} on this 2-vCPU machine shared with "
                          f"other sessions; vLLM {next((r.get('vllm') for r in runs if r.get('vllm')), why)}.")}
-    text = markdown(rows, info)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"info": info, "summary": rows, "runs": runs}, indent=1))
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+    common.write_results(markdown(rows, info), {"info": info, "summary": rows, "runs": runs}, args.out,
+                         args.markdown)
     if args.plot:
         plot(rows, Path(args.plot))
     return 0

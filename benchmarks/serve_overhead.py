@@ -77,7 +77,9 @@ def measure(args) -> dict:
     finally:
         packed_attention.PackedForward.attend = attend
     out = summarize(rows)
-    out["threading_layer"] = engine.runner.threading_layer
+    import numba
+
+    out["threading_layer"] = numba.threading_layer()
     out["tokenizer"] = type(engine.tokenizer).__name__ if engine.tokenizer is not None else None
     return out
 

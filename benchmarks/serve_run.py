@@ -24,7 +24,9 @@ import os
 import sys
 import time
 
-from benchmarks.serve_workload import figures, peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks.generate import peak_rss_bytes, rss_bytes
+from benchmarks.hf_generate import Stamps, reset_peak_rss
+from benchmarks.serve_workload import figures
 
 
 def kv_bytes_per_token(config, itemsize: int) -> int:
@@ -33,8 +35,13 @@ def kv_bytes_per_token(config, itemsize: int) -> int:
 
 
 class Clock:
+    """The run's start: wall time (token times are relative to it) and this process's CPU time (all threads)."""
+
+    last = None
+
     def __init__(self):
-        self.t0 = time.perf_counter()
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        Clock.last = self
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -84,12 +91,16 @@ def run_engine(args, workload, warm) -> tuple[dict, dict]:
 
 def run_vllm(args, workload, warm) -> tuple[dict, dict]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")      # keep torch.set_num_threads(--threads)
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in workload) + 16
-    llm = LLM(model=args.checkpoint, skip_tokenizer_init=True, dtype="auto", max_model_len=max_len,
+    with open(os.path.join(args.checkpoint, "config.json")) as f:            # vLLM's "auto" downcasts float32
+        config = json.load(f)                                                 # checkpoints to bfloat16
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    llm = LLM(model=args.checkpoint, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_len,
               kv_cache_memory_bytes=args.kv_budget, block_size=max(32, args.block_size),
               max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_seqs, enforce_eager=True)
     llm.generate([TokensPrompt(prompt_token_ids=warm)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
@@ -112,7 +123,8 @@ def run_vllm(args, workload, warm) -> tuple[dict, dict]:
         return out
 
     times = drive(workload, add, step, engine.has_unfinished_requests, clock)
-    return times, {"vllm": vllm.__version__, "block_size": max(32, args.block_size), "enforce_eager": True}
+    return times, {"vllm": vllm.__version__, "vllm_dtype": dtype, "block_size": max(32, args.block_size), "enforce_eager": True,
+                   "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}
 
 
 def load_hf(args, attn="sdpa"):
@@ -168,16 +180,6 @@ def run_static(args, workload, warm) -> tuple[dict, dict]:
     model = load_hf(args)
     itemsize = torch.empty((), dtype=model.dtype).element_size()
     per_token = kv_bytes_per_token(model.config, itemsize)
-
-    class Stamps:
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
 
     def generate(batch, stamps=None):
         width = max(len(r["prompt"]) for r in batch)
@@ -242,12 +244,15 @@ def main(argv=None) -> int:
         workload = json.load(f)
     warm = workload[0]["prompt"][:32]
     rss0 = rss_bytes()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     times, extra = SYSTEMS[args.system](args, workload, warm)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    run_cpu = time.process_time() - Clock.last.cpu0          # CPU seconds of the serving phase, every thread
     result = {"system": args.system, "threads": args.threads, "kv_budget": args.kv_budget,
               **figures(workload, times), "peak_rss_bytes": peak_rss_bytes(), "rss_at_start_bytes": rss0,
-              "process_wall_s": wall, "loadavg": os.getloadavg(), "torch": torch.__version__, **extra}
+              "process_wall_s": wall, "process_cpu_s": cpu,
+              "run_cpu_s": run_cpu, "output_tokens_per_cpu_s": sum(map(len, times.values())) / max(run_cpu, 1e-9),
+              "loadavg": os.getloadavg(), "torch": torch.__version__, **extra}
     print(json.dumps(result))
     return 0
 

@@ -72,27 +72,3 @@ def figures(workload: list[dict], token_times: dict) -> dict:
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
             "prompt_tokens": sum(len(r["prompt"]) for r in workload), "requests": len(workload),
             "incomplete": missing}
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        import os
-
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False

@@ -21,14 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import common
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")
-
-
-def machine_busy_s():
-    with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:9]]
-    return sum(vals[:3] + vals[5:7]) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_quiet(max_wait: float, threshold: float = 0.5, window: float = 2.0) -> tuple[float, float]:
@@ -36,12 +32,11 @@ def wait_quiet(max_wait: float, threshold: float = 0.5, window: float = 2.0) -> 
     returns (seconds waited, cores the others used in the last window)."""
     t0 = time.perf_counter()
     while True:
-        b0 = machine_busy_s()
-        time.sleep(window)
-        used = (machine_busy_s() - b0) / window
+        with common.OtherLoad() as load:
+            time.sleep(window)
         waited = time.perf_counter() - t0
-        if used < threshold or waited >= max_wait:
-            return waited, used
+        if load.others is None or load.others < threshold or waited >= max_wait:
+            return waited, load.others
 
 
 def run_process(python: str, impl: str, dtype: str, args) -> dict:
@@ -53,18 +48,15 @@ def run_process(python: str, impl: str, dtype: str, args) -> dict:
     if args.quick:
         cmd.append("--quick")
     waited, before = wait_quiet(args.wait_quiet) if args.wait_quiet > 0 else (0.0, None)
-    busy0, t0 = machine_busy_s(), time.perf_counter()
-    own0 = os.times()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    wall = time.perf_counter() - t0
-    own1 = os.times()
+    t0 = time.perf_counter()
+    with common.OtherLoad() as load:                 # what other sessions used meanwhile
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    own = (own1.children_user + own1.children_system) - (own0.children_user + own0.children_system)
-    out["wall_s"], out["waited_s"], out["others_before"] = wall, waited, before
-    out["other_cores"] = max(0.0, (machine_busy_s() - busy0 - own) / wall)   # what other sessions used meanwhile
+    out["wall_s"], out["waited_s"], out["others_before"] = time.perf_counter() - t0, waited, before
+    out["other_cores"] = load.others or 0.0
     return out
 
 
@@ -85,7 +77,7 @@ def summarize(runs: list[dict], modes) -> list[dict]:
         for r in run["results"]:
             key = (r["kind"], r["case"], r["dtype"])
             meta.setdefault(key, {})[r["impl"]] = r
-            for mode in modes:
+            for mode in (m for m in modes if m in r):
                 cells.setdefault((*key, mode, r["impl"]), []).append(r[mode]["median_s"])
                 cells.setdefault((*key, mode, r["impl"] + "_best"), []).append(r[mode]["min_s"])
                 if "attn_s" in r[mode]:
@@ -93,6 +85,8 @@ def summarize(runs: list[dict], modes) -> list[dict]:
     rows = []
     for key, impls in meta.items():
         for mode in modes:
+            if not any(mode in r for r in impls.values()):
+                continue
             row = {"kind": key[0], "case": key[1], "dtype": key[2], "mode": mode}
             for impl in ("engine", "vllm", "vllm_attn", "sdpa", "engine_best", "vllm_best", "sdpa_best"):
                 got = cells.get((*key, mode, impl))
@@ -102,7 +96,8 @@ def summarize(runs: list[dict], modes) -> list[dict]:
                     row[f"{impl}_spread"] = (max(got) - min(got)) / statistics.median(got)
             for impl in impls:
                 row[f"{impl}_rel_err"] = impls[impl]["rel_err"]
-                row[f"{impl}_cold_mib"] = impls[impl][mode]["cold_mib"]
+                if mode in impls[impl]:
+                    row[f"{impl}_cold_mib"] = impls[impl][mode]["cold_mib"]
             if "vllm" in impls:
                 row["vllm_metadata_s"] = impls["vllm"]["metadata_s"]
                 row["vllm_isa"] = impls["vllm"]["isa"]
@@ -140,6 +135,8 @@ def markdown(rows: list[dict], info: dict) -> str:
         out += [f"**{title}**", "", head, "|---|---|" + "---|---|" * len(dtypes) + ("---|" * len(dtypes) if sdpa else "")]
         for case in dict.fromkeys(r["case"] for r in sel):
             for mode in dict.fromkeys(r["mode"] for r in sel):
+                if not any(x["case"] == case and x["mode"] == mode for x in sel):
+                    continue
                 cells = []
                 mib = None
                 for d in dtypes:
@@ -154,6 +151,23 @@ def markdown(rows: list[dict], info: dict) -> str:
                 where = f"{mode} ({mib:.0f} MiB)" if mib else mode
                 out.append(f"| {case} | {where} | " + " | ".join(cells) + " |")
         out.append("")
+    out.append("Tally (shapes x sets; engine faster = ratio > 1.25, parity 0.8-1.25, slower < 0.8; by the median and "
+               "by the best of each process):")
+    out.append("")
+    for kind in ("decode", "batch", "prefill"):
+        for d in dtypes:
+            for peer in ("vllm", "sdpa"):
+                sel = [r for r in rows if r["kind"] == kind and r["dtype"] == d and f"{peer}_over_engine" in r]
+                if not sel:
+                    continue
+                counts = []
+                for key in (f"{peer}_over_engine", f"{peer}_over_engine_best"):
+                    v = [r[key] for r in sel]
+                    counts.append(f"{sum(x > 1.25 for x in v)} / {sum(0.8 <= x <= 1.25 for x in v)} / "
+                                  f"{sum(x < 0.8 for x in v)}")
+                out.append(f"* {kind} {d} vs {'vLLM' if peer == 'vllm' else 'torch SDPA'}: engine faster / parity / "
+                           f"slower = {counts[0]} (medians), {counts[1]} (best) of {len(sel)}")
+    out.append("")
     errs = {}
     for r in rows:
         for impl in ("engine", "vllm", "sdpa"):
@@ -187,7 +201,16 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="JSON of every process and the summary")
     p.add_argument("--markdown", default=None, help="write the tables here")
+    p.add_argument("--from-json", default=None, help="re-render the tables of a saved --out file (even a partial "
+                   "one: the runs so far)")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        runs = saved["runs"]
+        info = saved.get("info") or {"summary": f"partial run: {len(runs)} processes, "
+                                                f"{1 + max(r['round'] for r in runs)} round(s) begun"}
+        common.write_results(markdown(summarize(runs, args.modes.split(",")), info), saved, None, args.markdown)
+        return 0
     impls = args.impls.split(",")
     why = vllm_available(args.vllm_python) if "vllm" in impls else None
     if why:
@@ -222,12 +245,8 @@ def main(argv=None) -> int:
                         f"(torch {versions.get('torch', '?')}, ISA {versions.get('isa', '?')}); other sessions used "
                         f"{statistics.median(other) if other else 0:.2f} cores on average (median over processes, "
                         f"max {max(other) if other else 0:.2f}) of this 2-vCPU machine while the processes ran.")}
-    text = markdown(rows, info)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"info": info, "summary": rows, "runs": runs}, indent=1))
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+    common.write_results(markdown(rows, info), {"info": info, "summary": rows, "runs": runs}, args.out,
+                         args.markdown)
     return 0
 
 

@@ -316,7 +316,7 @@ def attend_token(decoder, token, layer: int, q, k, v, plan: AttentionPlan | None
     if plan is None:
         plan = plan_token(decoder.cache, decoder.pools, decoder.seq, token.pages(), int(token.positions[0]),
                           decoder.num_q_heads, decoder.window, getattr(decoder, "precision", "default"))
-    out = np.empty(plan.out_shape, dtype=decoder.q_dtype)
+    out = np.empty(plan.out_shape, dtype=decoder.inputs.q_dtype)
     return plan.run_layer(decoder.pools, layer, q[None], decoder.scale, decoder.window, out)[0], plan
 
 

@@ -6,7 +6,7 @@
 
 Every call validates all of its input before the cache changes; after any error the decoder and its pool are
 exactly as before. Inputs must be finite (after the cast to the storage dtype) and bounded in magnitude
-(`decode._validate.magnitude_limits`: |k|, |v| < 2**48 for float32 compute) so that no score overflows
+(`decode.inputs.magnitude_limits`: |k|, |v| < 2**48 for float32 compute) so that no score overflows
 (`decode.inputs`). Query ``i`` of a call sits at absolute position ``length + i`` and reads keys at positions
 ``<= length + i`` (and ``> position - window`` with a sliding window).
 """
@@ -21,7 +21,7 @@ from kvcache.checks import check_int
 from . import window as _window
 from .attention_plan import LayerPools, attend_token
 from .decoder_transaction import DecoderTransaction
-from .inputs import InputChecks, check_readable, check_single_layer, check_tokens, num_tokens_of
+from .inputs import InputChecks, check_single_layer, check_tokens, num_tokens_of
 
 
 class Decoder:
@@ -88,7 +88,6 @@ class Decoder:
     def _attach(self, cache: KVCache, new_seq, num_q_heads, scale, window) -> None:
         """Check the arguments, then take the sequence ``new_seq()`` (so a bad argument leaves the cache as it was)."""
         cfg = cache.config
-        check_readable(cfg)
         num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
         if num_q_heads % cfg.num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")
@@ -102,9 +101,9 @@ class Decoder:
         self.cache, self.seq = cache, new_seq()
         self.num_q_heads = num_q_heads
         self.scale = float(scale)
-        self.inputs = InputChecks(cache, num_q_heads, self.scale)    # the input checks (`decode.inputs`)
-        self.q_dtype = self.inputs.q_dtype                       # working precision of q and the outputs
-        self.pools = LayerPools(cache)                           # per-layer page views (`decode.attention_plan`)
+        # what the Decoder API's other modules share (decoder_transaction, batch, attention_plan, distributed):
+        self.inputs = InputChecks(cache, num_q_heads, self.scale)   # the input checks, ``q_dtype`` (`decode.inputs`)
+        self.pools = LayerPools(cache)                          # per-layer page views (`decode.attention_plan`)
 
     # -- state --------------------------------------------------------------------------------------------
     @property
@@ -197,12 +196,3 @@ class Decoder:
         """Give this sequence's pages back to the pool; the decoder is unusable afterwards."""
         self.cache.free(self.seq)
 
-    # -- checks (`decode.inputs`) -------------------------------------------------------------------------
-    def check_kv(self, k, v, num_tokens: int):
-        """``k [T, num_kv_heads, head_dim]``, ``v [T, num_kv_heads, head_dim_v]`` validated (`KVCache.check_kv`,
-        then the magnitude limits) and cast to the storage dtype."""
-        return self.inputs.kv(k, v, num_tokens)
-
-    def check_query(self, q, num_tokens: int) -> np.ndarray:
-        """``q [T, num_q_heads, head_dim]`` validated (float, finite) and cast to the working precision."""
-        return self.inputs.query(q, num_tokens)

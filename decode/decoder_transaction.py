@@ -41,7 +41,7 @@ class DecoderTransaction(CommitOnExit):
         self._plans = {}                # number of queries -> `decode.attention_plan.AttentionPlan`, see `_attend`
         self._token_plan = None         # the one-query path's plan (`attend_token`)
         # reserve (CacheFullError and bad ids leave everything as it was)
-        if all(c == 1 for c in self._counts):
+        if self._counts.count(1) == len(self._counts):          # one token each: the slot shapes
             self._tx = self.cache.begin_tokens([d.seq for d in decoders], token_ids=token_ids)
         else:
             self._tx = self.cache.transaction(num_tokens, token_ids=token_ids)
@@ -108,7 +108,7 @@ class DecoderTransaction(CommitOnExit):
         """One token per decoder: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``,
         ``v [B, num_kv_heads, head_dim_v]`` with B = number of decoders (the B axis may be dropped for one
         decoder) -> ``[B, num_q_heads, head_dim_v]``. ``checked``: ``[B, ...]`` arrays validated and cast by
-        `Decoder.check_query` / `check_kv` already."""
+        `Decoder.inputs` already."""
         if (q.ndim if type(q) is np.ndarray else np.ndim(q)) == 2 and self._counts == [1]:
             try:                                    # `_guard`, inlined: the per-layer path of a decode step
                 if not self._open:
@@ -156,5 +156,5 @@ class DecoderTransaction(CommitOnExit):
                                                     self._tx.indices, self._tx.indptr, self._tx.positions,
                                                     self._counts, q.shape,
                                                     dec.window, self._query_seq(), self._query_pos())
-        out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.q_dtype)
+        out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.inputs.q_dtype)
         return plan.run_layer(dec.pools, layer, q, dec.scale, dec.window, out)

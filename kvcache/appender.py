@@ -86,23 +86,38 @@ class Appender:
         """One token's slot at position ``length`` of each of ``seqs`` (distinct), the lean way: only the
         sequences whose last page is full (or shared: copy-on-write) take a page; the others are just marked
         busy. Returns the sequences and the journal of the reservation (None when no page was taken)."""
-        core, size = self.core, self.config.page_size
+        core = self.core
         sequences = core.idle_sequences(seqs)
-        need = {seq: 1 for seq, s in zip(seqs, sequences)
-                if s.length % size == 0 or core.needs_copy(int(s.table[s.num_logical_pages - 1]))}
+        need = {seq: 1 for seq, s in zip(seqs, sequences) if self.needs_page(s)}
         journal = None
         if need:
             if len(need) < len(seqs) and len(need) > core.num_free_pages:
                 need = dict.fromkeys(seqs, 1)   # the whole request's CacheFullError (could-ever-fit counts all)
-            journal = Journal()
-            try:
-                self.reserve(need, journal)
-            except BaseException:
-                journal.rollback()
-                raise
+            journal = self.reserve_journaled(need)[1]
         for s in sequences:
             s.busy = True
         return sequences, journal
+
+    def reserve_slot(self, seq) -> tuple[Sequence, Journal | None]:
+        """`reserve_slots` of one sequence (the decode step: one lookup; no page, no journal unless needed)."""
+        s = self.core.idle_sequence(seq)
+        if self.needs_page(s):
+            return s, self.reserve_journaled({seq: 1})[1]
+        s.busy = True
+        return s, None
+
+    def needs_page(self, s: Sequence) -> bool:
+        """Whether one more token of ``s`` takes a page: its last page is full, or shared (copy-on-write)."""
+        return s.length % self.config.page_size == 0 or self.core.needs_copy(int(s.table[s.num_logical_pages - 1]))
+
+    def reserve_journaled(self, num_tokens: dict[int, int]) -> tuple[list[Sequence], Journal]:
+        """`reserve` into a new journal, undone before the exception propagates; returns (sequences, journal)."""
+        journal = Journal()
+        try:
+            return self.reserve(num_tokens, journal), journal
+        except BaseException:
+            journal.rollback()
+            raise
 
     def _could_ever_fit(self, plans) -> bool:
         """Whether a request fits once every other sequence is freed: the distinct pages its sequences hold

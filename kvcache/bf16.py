@@ -33,7 +33,6 @@ BITS_DTYPE = np.dtype(np.uint16)            # the element type of a bfloat16 poo
 QUIET_NAN = 0x7fc0
 MAX = float(np.uint32(0x7f7f0000).view(np.float32))     # 3.3895314e38, the largest finite bfloat16
 OVERFLOW = float(np.uint32(0x7f7f8000).view(np.float32))  # 3.3961775e38: from here up a float32 rounds to inf
-_F32 = np.dtype(np.float32)
 
 
 def to_bits(x: np.ndarray) -> np.ndarray:
@@ -48,7 +47,7 @@ def _round(x: np.ndarray) -> tuple[np.ndarray, int]:
     if x.dtype.kind != "f":
         raise TypeError(f"x: expected a floating-point array, got dtype {x.dtype}")
     with np.errstate(over="ignore", invalid="ignore"):
-        f32 = np.ascontiguousarray(x, dtype=np.float32)         # float64: nearest-even to float32 (torch's path)
+        f32 = np.asarray(x, dtype=np.float32, order="C")        # float64: nearest-even to float32 (torch's path)
     bits = np.empty(f32.shape, dtype=BITS_DTYPE)
     bad = _round_flat(f32.reshape(-1).view(np.uint32), bits.reshape(-1))
     return bits, bad

@@ -258,6 +258,8 @@ class KVCache:
         """Reserve position `length` of each of ``seqs`` (distinct sequence ids) for one token each (the batched
         decode step); see `TokenBatch`. ``token_ids`` (optional): ``{seq: id}`` for some or all of them, for
         prefix caching. `CacheFullError` (and every argument error, checked first) with nothing changed."""
+        if type(seqs) is list and len(seqs) == 1 and token_ids is None:     # the decode step: no more to check
+            return TokenWrite(self._appender, seqs)
         if not isinstance(seqs, (list, tuple)) or not seqs:
             raise TypeError(f"seqs: expected a non-empty list of sequence ids, got {seqs!r}")
         if not all(type(seq) is int for seq in seqs):         # plain ints: their ids are checked by `TokenBatch`

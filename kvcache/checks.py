@@ -64,6 +64,15 @@ def first_nonfinite(array: np.ndarray):
     return index, array[index]
 
 
+def all_finite(array: np.ndarray, chunk: int = 1 << 18) -> bool:
+    """Whether every element is finite; a C-contiguous array is tested ``chunk`` elements at a time, so the test's
+    mask is never larger than that (a prefill's input is tens of MiB)."""
+    if not array.flags.c_contiguous or array.size <= chunk:
+        return bool(np.isfinite(array).all())
+    flat = array.reshape(-1)
+    return all(np.isfinite(flat[i:i + chunk]).all() for i in range(0, flat.size, chunk))
+
+
 def cast_to_storage(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Cast ``array`` to the storage dtype and reject anything not finite *after* the cast.
 
@@ -71,7 +80,7 @@ def cast_to_storage(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray
     """
     with np.errstate(over="ignore", invalid="ignore"):
         cast = array.astype(dtype, copy=False)
-    if not np.isfinite(cast).all():
+    if not all_finite(cast):
         index, _ = first_nonfinite(cast)
         original = array[index]
         if np.isfinite(original):

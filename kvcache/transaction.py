@@ -24,7 +24,6 @@ import numpy as np
 
 from .appender import Appender
 from .checks import check_int
-from .journal import Journal
 
 
 class AppendTransaction:
@@ -170,13 +169,8 @@ class Transaction(AppendTransaction):
                          [token_ids.get(s) for s in seqs] if token_ids else None)
         self.num_tokens = dict(num_tokens)
         self._seq_written = dict.fromkeys(seqs, 0)
-        self._journal = journal = Journal()
         with appender.lock:
-            try:
-                self._sequences = appender.reserve(self.num_tokens, journal)
-            except BaseException:
-                journal.rollback()
-                raise
+            self._sequences, self._journal = appender.reserve_journaled(self.num_tokens)
         self._starts = [s.length for s in self._sequences]
         self.state = "open"
 
@@ -259,23 +253,44 @@ class TokenWrite(TokenBatch):
     page nothing is allocated or journaled; the first write saves the slot's bytes in every layer (one copy),
     each write then stores one layer's ``k [num_kv_heads, head_dim]`` (or ``[1, num_kv_heads, head_dim]``)."""
 
-    __slots__ = ("_slot",)
+    __slots__ = ("_slot", "_page", "_offset")
     _names = ("token", "token write")
 
-    def _locate_slots(self) -> None:
-        size, s, position = self._appender.config.page_size, self._sequences[0], self._starts[0]
-        self._slot = None                              # the slot in every layer, taken at the first write
-        page, offset = int(s.table[position // size]), position % size
-        self.slot_pages, self.slot_offsets = np.array([page], dtype=np.int32), np.array([offset], dtype=np.int64)
+    def __init__(self, appender: Appender, seqs: list[int], token_ids: list | None = None):
+        AppendTransaction.__init__(self, appender, seqs, [1], token_ids)
+        self._saved, self._slot = [], None            # the slot in every layer, taken at the first write
+        with appender.lock:
+            s, self._journal = appender.reserve_slot(seqs[0])
+        self._sequences, self._starts = [s], [s.length]
+        size = appender.config.page_size
+        self._page, self._offset = int(s.table[s.length // size]), s.length % size
+        self.state = "open"
 
-    def _store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        slot = self._slot
-        if slot is None:
-            slot = self._slot = self._appender.slot_rows(int(self.slot_pages[0]), int(self.slot_offsets[0]))
-            self._saved = [(view, view.copy()) for view in slot[0]]
-        if k.ndim == 3:
-            k, v = k[0], v[0]
-        self._appender.write_token(slot, layer, k, v)
+    @property
+    def slot_pages(self) -> np.ndarray:
+        return np.array([self._page], dtype=np.int32)
+
+    @property
+    def slot_offsets(self) -> np.ndarray:
+        return np.array([self._offset], dtype=np.int64)
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """`AppendTransaction.write` with the store inlined (the decode step's per-layer path): checked ``k
+        [num_kv_heads, head_dim]`` (or ``[1, num_kv_heads, head_dim]``), ``v`` likewise."""
+        try:
+            if self.state != "open":
+                self._require_open()
+            if type(layer) is not int or not 0 <= layer < self._num_layers:
+                layer = check_int("layer", layer, maximum=self._num_layers - 1)
+            slot = self._slot
+            if slot is None:
+                slot = self._slot = self._appender.slot_rows(self._page, self._offset)
+                self._saved = [(view, view.copy()) for view in slot[0]]
+            self._appender.write_token(slot, layer, k[0] if k.ndim == 3 else k, v[0] if v.ndim == 3 else v)
+            self._written |= 1 << layer
+        except BaseException:
+            self.rollback()
+            raise
 
     def _undo(self) -> None:
         for dst, saved in reversed(self._saved):

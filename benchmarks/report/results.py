@@ -32,8 +32,8 @@ class Results:
                               "median": stats.get("median"), "min": stats.get("min"), "rounds": stats.get("rounds"),
                               "iqr": stats.get("iqr")})
         start = self.meta.get("ceilings_start") or {}
-        self.read_bw = start.get("read_bw") or _first(r["extra"].get("read_bw") for r in self.rows)
-        self.matmul_rate = start.get("matmul_rate") or _first(r["extra"].get("matmul_rate") for r in self.rows)
+        self.read_bw = start.get("read_bw") or first_of(r["extra"].get("read_bw") for r in self.rows)
+        self.matmul_rate = start.get("matmul_rate") or first_of(r["extra"].get("matmul_rate") for r in self.rows)
 
     # grid and tiny: {(shape label, impl): row}
     def steps(self, prefix: str) -> dict:
@@ -63,7 +63,7 @@ class Results:
                 "bound": "bandwidth" if e["kv_bytes"] / bw >= e["flops"] / mm else "compute", "roof": bound / t}
 
 
-def _first(it):
+def first_of(it):
     for x in it:
         if x:
             return x

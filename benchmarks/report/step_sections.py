@@ -3,7 +3,7 @@ whole generation, first step, disturbed timings."""
 from __future__ import annotations
 
 from .results import (DISTURBED_CORES, GRID_IMPLS, LABELS, TARGET_BW, TARGET_COMPUTE, TARGET_FIRST_S, TARGET_FP16,
-                      TARGET_TINY_S, TINY_IMPLS, Results, _first, fmt_bytes, fmt_time, mark, pct, ratio, shape_key,
+                      TARGET_TINY_S, TINY_IMPLS, Results, first_of, fmt_bytes, fmt_time, mark, pct, ratio, shape_key,
                       split_label, table, verdict)
 
 
@@ -155,7 +155,7 @@ def generation_section(res: Results) -> tuple[str, str, dict]:
 
 
 def first_step_section(res: Results) -> tuple[str, list, dict]:
-    r = _first(res.by_impl("engine_first_step"))
+    r = first_of(res.by_impl("engine_first_step"))
     if not r:
         return "(no first-step benchmark in this run)", [], {}
     e = r["extra"]

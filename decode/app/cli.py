@@ -159,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the model's weights and compute")
     p.add_argument("--storage", default="model", choices=["model", "float16", "bfloat16", "float32", "float64",
                                                           "int8"],
-                   help="PagedCache page dtype; model: follow the model's dtype (bfloat16 models get float32 "
-                        "pages until the kernels read bfloat16); int8: quantized pages (docs/int8.md)")
+                   help="PagedCache page dtype; model: follow the model's dtype (a bfloat16 model gets bfloat16 "
+                        "pages); int8: quantized pages (docs/int8.md)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
     p.add_argument("--json", action="store_true", help="print JSON instead of a report")

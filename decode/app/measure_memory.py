@@ -23,7 +23,7 @@ from kvcache import KVCache
 from kvcache.accounting import GIB, MIB, attention_kind, cache_memory, kv_bytes_formula, kv_scale_bytes_formula
 from kvcache.checks import check_int, check_storage_dtype, storage_array_dtype
 
-__all__ = ["memory_report", "format_table"]
+__all__ = ["memory_report", "format_table", "resident_in", "mincore_resident"]
 
 # memory kept free when a measurement allocates a pool: the measuring process, its copies and the OS
 MARGIN_BYTES = 1 * GIB
@@ -38,13 +38,13 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _resident_in(arrays) -> tuple[int, int] | None:
+def resident_in(arrays) -> tuple[int, int] | None:
     """(resident bytes of the pages holding ``arrays``, resident bytes in transparent huge pages of the mappings
     holding them) on Linux; None elsewhere. Residency is asked of the kernel per page of the arrays' own address
     ranges (``mincore``), so a small array that malloc placed in the shared heap (an int8 pool's scales next to
     a small MQA pool) is counted for its own pages only, not for the whole heap mapping; the huge-page figure is
     per mapping (/proc/self/smaps), as the kernel reports it."""
-    resident = _mincore_resident(arrays)
+    resident = mincore_resident(arrays)
     if resident is None:
         return None
     spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
@@ -64,7 +64,7 @@ def _resident_in(arrays) -> tuple[int, int] | None:
     return resident, huge
 
 
-def _mincore_resident(arrays) -> int | None:
+def mincore_resident(arrays) -> int | None:
     """Resident bytes of the memory pages spanned by ``arrays`` (each page once), from mincore(2); None where
     it is unavailable (not Linux)."""
     if not sys.platform.startswith("linux"):
@@ -168,7 +168,7 @@ def _build_and_fill(shape: dict, measure: bool) -> dict:
     result = {"accounting": cache_memory(cache)}
     if measure:
         result["rss"] = {key: value - rss["base"] for key, value in rss.items() if key != "base"}
-        result["pool_resident"] = _resident_in(cache.page_arrays)
+        result["pool_resident"] = resident_in(cache.page_arrays)
     return result
 
 

@@ -53,7 +53,7 @@ def loopback_violations(addresses) -> list[str]:
     return [f"{where}: {address}" for where, address in addresses if not is_loopback(str(address))]
 
 
-def _socket_addresses():
+def socket_addresses():
     """``(where, ip)`` of every inet socket of the processes this one started, and of this process's listeners."""
     me = psutil.Process()
     found = []
@@ -77,7 +77,7 @@ def reported_addresses():
     for node in ray.nodes():
         found.append((f"node {node.get('NodeID', '?')[:8]} NodeManagerAddress", node.get("NodeManagerAddress", "")))
     found.append(("gcs_address", ray.get_runtime_context().gcs_address))
-    return found + _socket_addresses()
+    return found + socket_addresses()
 
 
 def check_loopback() -> int:

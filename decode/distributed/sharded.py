@@ -358,7 +358,7 @@ class ShardedTransaction(CommitOnExit):
         cfg = self.validator.config
         try:
             single = q is not None and np.ndim(q) == 2
-            q = None if q is None else np.ascontiguousarray(q, dtype=self.validator.decoder.q_dtype)
+            q = None if q is None else np.ascontiguousarray(q, dtype=self.validator.decoder.inputs.q_dtype)
             k, v = np.asarray(k, dtype=cfg.dtype), np.asarray(v, dtype=cfg.dtype)
             layout = self.family.layout
             if layout.name == "context" and single:

@@ -6,7 +6,7 @@ scratch sequences are truncated back to 0). The exception a bad input raises is 
 one, type and message. Cost per call: the checks plus one kernel call over one token per row (tens of us).
 
 Calls whose single-process checks need a pool as large as the request (a T-token transaction) use the
-Decoder's public checks, the ones `DecoderTransaction` runs (`Decoder.check_query`, `Decoder.check_kv`,
+Decoder's checks, the ones `DecoderTransaction` runs (`InputChecks.query`, `InputChecks.kv` of `Decoder.inputs`,
 `kvcache.checks.check_int("layer", ...)`), in the same order.
 """
 import numpy as np
@@ -89,8 +89,8 @@ class Validator:
             raise ValueError(f"step: expected a one-token transaction (use extend for several tokens), "
                              f"got num_tokens={num_tokens}")
         if kind == "extend":
-            self.decoder.check_query(q, num_tokens)
-        self.decoder.check_kv(k, v, num_tokens)
+            self.decoder.inputs.query(q, num_tokens)
+        self.decoder.inputs.kv(k, v, num_tokens)
         check_int("layer", layer, maximum=self.num_layers - 1)
 
     def close(self, scratch, commit: bool) -> None:

@@ -31,4 +31,5 @@ def register(name: str = ATTN_IMPLEMENTATION) -> str:
 
 register()
 
-__all__ = ["PagedCache", "PagedAttentionRequired", "ModelLayout", "UnsupportedFeatureError", "layout_of", "register", "ATTN_IMPLEMENTATION"]
+__all__ = ["PagedCache", "PagedAttentionRequired", "ModelLayout", "UnsupportedFeatureError", "layout_of", "register",
+           "ATTN_IMPLEMENTATION"]

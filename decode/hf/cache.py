@@ -29,20 +29,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvcache import CacheFullError, KVCache
 
 from . import handoff, sizing, storage
-from .layout import ModelLayout, UnsupportedFeatureError, layout_of
+from .layout import ModelLayout, UnsupportedFeatureError, layout_key, layout_of
 from .plan import ForwardPlan
 from .rows import RowColumns
-
-
-# the config attributes `layout_of` reads (a change in any of them means another layout)
-_LAYOUT_ATTRIBUTES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
-                      "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
-                      "attn_logit_softcapping", "is_encoder_decoder", "add_cross_attention", "is_causal",
-                      "n_layer", "n_head", "n_embd")
-
-
-def _frozen(value):
-    return tuple(value) if isinstance(value, list) else value
 
 
 class PagedLayer(CacheLayerMixin):
@@ -95,7 +84,8 @@ class PagedCache(Cache):
                                              "float32", "float64", "int8" (`kvcache.quant`), or torch.float16 /
                                              bfloat16 / float32 / float64. None (default): the model's dtype
                                              (``config.dtype``, else the K/V of the first forward; a bfloat16
-                                             model gets float32 pages while kvcache has no bfloat16 pages).
+                                             model gets bfloat16 pages, float32 in a build whose kernels
+                                             cannot read them).
                                              Inputs are converted, outputs come back in the model's dtype
     page_size : int                          tokens per page
     prefix_caching : bool                    register full pages by token id, reuse them (`match_prefix`)
@@ -109,7 +99,9 @@ class PagedCache(Cache):
     Attributes
     ----------
     pool : kvcache.KVCache                   shared with every `fork` of this cache
-    stats : dict                             ``kernel_calls``, ``forwards``, ``tokens`` (real tokens stored)
+    stats : dict                             ``kernel_calls``, ``forwards``, ``tokens`` (real tokens stored),
+                                             ``deferred_releases`` (window releases that failed after a forward
+                                             landed; the pages go back at the next one)
     """
 
     def __init__(self, config, *, max_tokens=None, num_pages=None, dtype=None, page_size=16,
@@ -157,7 +149,7 @@ class PagedCache(Cache):
         self._dtype_pending = False
         self._prompt_columns = 0         # columns of the first forward (the prompt), for CacheFullError
         self._checked_model = None       # `check_model`'s key of the config last found right
-        self.stats = {"kernel_calls": 0, "forwards": 0, "tokens": 0}
+        self.stats = {"kernel_calls": 0, "forwards": 0, "tokens": 0, "deferred_releases": 0}
 
     # -- transformers' queries ----------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -281,26 +273,15 @@ class PagedCache(Cache):
     def _follow_model_dtype(self, model_dtype, rebuild: bool = True) -> None:
         """dtype=None and no dtype in the config: the pool (float32 until now) takes the model's dtype; refused
         when the pool is in use already (rows made by match_prefix)."""
-        if not self._dtype_pending:
-            return
-        name = storage.for_model(model_dtype)
-        if name == self.pool.config.storage:
-            return
-        if not rebuild or self.pool.sequences or self.pool.num_cached_pages:
-            raise ValueError(f"dtype: expected an explicit dtype for a cache used before its first forward "
-                             f"(match_prefix), got None; the pool holds {self.pool.config.storage} pages and the "
-                             f"model computes in {model_dtype}: build PagedCache(..., dtype={model_dtype})")
-        cfg = self.pool.config
-        self.pool = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                            dtype=name, page_size=cfg.page_size, num_pages=cfg.num_pages,
-                            prefix_caching=self.pool.prefix_caching, namespace=self.pool.namespace)
+        if self._dtype_pending:
+            self.pool = storage.pool_for_model(self.pool, model_dtype, rebuild)
 
     def check_model(self, config) -> None:
         """ValueError unless ``config`` (the model's) has this cache's layout: layers, q / kv heads, head_dim,
         sliding windows (a cache built for a deeper or shallower model, or another model's cache). The config
         last found right is remembered by identity and the attributes the layout is read from (`layout_of`
         takes ~0.3-0.9 ms)."""
-        key = (id(config),) + tuple(_frozen(getattr(config, name, None)) for name in _LAYOUT_ATTRIBUTES)
+        key = layout_key(config)
         if key == self._checked_model:
             return
         got = layout_of(config)
@@ -404,7 +385,7 @@ class PagedCache(Cache):
             try:                # the forward has landed: a failure here keeps the pages (released next time)
                 self._release_window()
             except Exception:
-                pass
+                self.stats["deferred_releases"] += 1
 
     def _abandon(self) -> None:
         if self._plan is not None:
@@ -413,7 +394,7 @@ class PagedCache(Cache):
         if self._fresh is not None:                     # the first forward: its rows go, the pool is as before
             (group, old_pool), self._fresh = self._fresh, None
             group.rollback()
-            self.pool, self._seqs, self._cols = old_pool, None, RowColumns(0)
+            self.pool, self._seqs, self._cols, self._prompt_columns = old_pool, None, RowColumns(0), 0
 
     def _settle(self) -> None:
         """Roll back a forward that failed between our calls (its transaction is still open)."""

@@ -46,9 +46,10 @@ class PendingKV(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         raise PagedAttentionRequired(
             f"attn_implementation: a decode.hf.PagedCache needs the model on attn_implementation='pagedkv' "
-            f"(model.set_attn_implementation('pagedkv') after `import decode.hf`), got an attention that computes "
-            f"on the K/V PagedCache.update returned ({name}): PagedCache.update returns only the new tokens, so "
-            f"sdpa / eager / flash would attend over them alone")
+            f"(model.set_attn_implementation('pagedkv') after `import decode.hf`), got code that computes on the "
+            f"K/V PagedCache.update returned ({name}): an sdpa / eager / flash attention would attend over the new "
+            f"tokens alone (update returns only them), and model code changing K/V between update and attention "
+            f"is not what the kernels read")
 
 
 class Handoff(NamedTuple):

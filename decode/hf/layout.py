@@ -63,6 +63,19 @@ def check_supported(config) -> None:
         raise UnsupportedFeatureError("pagedkv cannot run this model exactly: " + "; ".join(found))
 
 
+# the config attributes `layout_of` reads (a change in any of them means another layout)
+_LAYOUT_ATTRIBUTES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+                      "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
+                      "attn_logit_softcapping", "is_encoder_decoder", "add_cross_attention", "is_causal",
+                      "n_layer", "n_head", "n_embd")
+
+
+def layout_key(config) -> tuple:
+    """A cheap key of ``config``: its identity and the values `layout_of` reads (lists copied as tuples)."""
+    return (id(config),) + tuple(tuple(v) if isinstance(v, list) else v
+                                 for v in (getattr(config, name, None) for name in _LAYOUT_ATTRIBUTES))
+
+
 def layout_of(config) -> ModelLayout:
     """The `ModelLayout` of a transformers (decoder) config; refuses what `check_supported` refuses and layer
     types other than full / sliding attention (chunked, linear, ...)."""

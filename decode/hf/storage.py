@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from decode.attention import paged_decode_attention
+from kvcache import KVCache
 from kvcache.checks import check_storage_dtype
 
 _TORCH = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
@@ -54,12 +55,29 @@ def storage_name(dtype) -> str | None:
 
 
 def for_model(torch_dtype: torch.dtype) -> str:
-    """The default storage of a model computing in ``torch_dtype``: the same dtype (bfloat16 while kvcache has no
-    bfloat16 pages: float32, documented in docs/transformers.md); float32 for anything else."""
+    """The default storage of a model computing in ``torch_dtype``: the same dtype (bfloat16 in a build whose kernels
+    cannot read bfloat16 pages: float32, documented in docs/transformers.md); float32 for anything else."""
     name = _TORCH.get(torch_dtype, "float32")
     if name == "bfloat16" and not bfloat16_pages():
         return "float32"
     return name
+
+
+def pool_for_model(pool: KVCache, model_dtype: torch.dtype, rebuild: bool = True) -> KVCache:
+    """``pool`` (built before the model's dtype was known), or an empty pool of the same shape in the model's
+    default storage. ValueError when they differ and ``pool`` is in use (rows made by match_prefix) or
+    ``rebuild`` is False."""
+    name = for_model(model_dtype)
+    cfg = pool.config
+    if name == cfg.storage:
+        return pool
+    if not rebuild or pool.sequences or pool.num_cached_pages:
+        raise ValueError(f"dtype: expected an explicit dtype for a cache used before its first forward "
+                         f"(match_prefix), got None; the pool holds {cfg.storage} pages and the model computes in "
+                         f"{model_dtype}: build PagedCache(..., dtype={model_dtype})")
+    return KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=name,
+                   page_size=cfg.page_size, num_pages=cfg.num_pages, prefix_caching=pool.prefix_caching,
+                   namespace=pool.namespace)
 
 
 def config_dtype(config) -> torch.dtype | None:

@@ -8,7 +8,6 @@ so a step's tokens land in every layer or in none. Only the rows that are sample
 (``logits_to_keep``).
 """
 import inspect
-import os
 
 import numba
 import numpy as np
@@ -20,32 +19,17 @@ from decode.hf.plan import PARALLEL_QUERIES
 from .packed_attention import PackedForward, active
 
 
-def prefer_workqueue() -> str:
-    """Use numba's own "workqueue" thread pool rather than its OpenMP layer, unless a parallel kernel already
-    ran (the layer is then fixed) or ``NUMBA_THREADING_LAYER`` says otherwise; returns the layer chosen.
-
-    numba's OpenMP layer loads the system libgomp next to torch's bundled one; once its threads exist, small
-    torch ops of the same process slowed by ~100x (torch.argmax of [32, 4000]: 0.25 ms -> 20-27 ms, measured
-    here, reproducible) and an engine decode step of a small model by 4x (72 vs 18 ms); the kernels run as
-    fast on either layer (a 2 x 1024-token batch_extend: 182-201 vs 185-191 ms). workqueue terminates the
-    process when parallel kernels are launched from several threads at once: the engine launches them from its
-    one thread; a program that also runs kernels from other threads sets NUMBA_THREADING_LAYER=omp."""
-    try:
-        return numba.threading_layer()                   # already initialized: nothing to choose any more
-    except ValueError:
-        pass
-    if not os.environ.get("NUMBA_THREADING_LAYER"):
-        numba.config.THREADING_LAYER = "workqueue"
-    return numba.config.THREADING_LAYER
-
-
 class ModelRunner:
     """Runs ``model`` (a transformers causal LM whose attention implementation is "kvengine") over a
     `decode.serve.pages.PagePool`.
 
     kernel_threads: numba threads of the attention kernel for forwards of fewer than
     `decode.hf.plan.PARALLEL_QUERIES` tokens (decode steps); 1 by default, as in `decode.hf.PagedCache`
-    (torch's OpenMP threads keep spinning after each op and take the cores numba's threads would wait for)."""
+    (torch's OpenMP threads keep spinning after each op and take the cores numba's threads would wait for).
+
+    torch's thread count is restored after every forward: numba's OpenMP threading layer, at its first parallel
+    launch, sets the OpenMP thread count of the process, and torch shares that libgomp (a process that had set
+    torch to 1 thread ran it on 2 from then on: at the issue's model 1963 vs 453 ms per decode step, measured)."""
 
     def __init__(self, model, pool, kernel_threads: int | None = 1):
         self.model = model
@@ -55,7 +39,6 @@ class ModelRunner:
         self.num_layers = pool.cache.config.num_layers
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.forwards = 0
-        self.threading_layer = prefer_workqueue()
 
     def inputs(self, batch) -> tuple[list, list, list, list]:
         """(token ids [N], positions [N], per-request id arrays, indices of the sampled rows) of ``batch``."""
@@ -78,6 +61,7 @@ class ModelRunner:
         their tokens (in batch order): the ones that sample a token this step."""
         ids, positions, per_request, last = self.inputs(batch)
         token_ids = per_request if self.pool.prefix_caching else None
+        torch_threads = torch.get_num_threads()
         tx = batch_transaction([r.decoder for r in batch.requests], num_tokens=list(batch.counts),
                                token_ids=token_ids)
         try:
@@ -86,6 +70,9 @@ class ModelRunner:
         except BaseException:
             tx.rollback()
             raise
+        finally:
+            if torch.get_num_threads() != torch_threads:     # numba's OpenMP layer, at its first launch, sets
+                torch.set_num_threads(torch_threads)         # the OpenMP thread count torch shares (one libgomp)
         for request, count in zip(batch.requests, batch.counts):
             request.num_computed += count
         self.forwards += 1

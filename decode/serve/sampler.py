@@ -43,8 +43,8 @@ class Sampler:
         tokens = [0] * len(requests)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if greedy:
-            rows = logits.numpy()                           # numpy: no thread pool (torch's 2-thread argmax
-            rows = rows if len(greedy) == len(requests) else rows[greedy]      # waited 20 ms on a busy core)
+            rows = logits.numpy()                           # numpy: no thread pool to wait for (a 2-thread
+            rows = rows if len(greedy) == len(requests) else rows[greedy]      # torch argmax did, under load)
             for i, token in zip(greedy, rows.argmax(axis=-1).tolist()):
                 tokens[i] = token
         for i, request in enumerate(requests):

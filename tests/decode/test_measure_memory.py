@@ -131,22 +131,22 @@ def test_small_real_int8_measurement_matches_formula():
 
 
 def test_pool_residency_is_counted_per_page_of_the_arrays():
-    """`_resident_in` asks the kernel about the arrays' own pages (mincore), not about the whole mappings that
+    """`resident_in` asks the kernel about the arrays' own pages (mincore), not about the whole mappings that
     hold them: a small array inside the shared heap counts its own pages only, an untouched array ~nothing."""
     M = memory
-    if M._mincore_resident([np.zeros(1)]) is None:
+    if M.mincore_resident([np.zeros(1)]) is None:
         pytest.skip("mincore(2) unavailable (not Linux)")
     page = os.sysconf("SC_PAGE_SIZE")
     big = np.zeros(64 * 1024 * 1024, dtype=np.uint8)                      # its own lazily backed mapping
-    assert M._mincore_resident([big]) <= 4 * 1024 * 1024                   # (a THP neighbour at most)
+    assert M.mincore_resident([big]) <= 4 * 1024 * 1024                   # (a THP neighbour at most)
     big[:] = 1                                                              # every page touched
     lo, hi = big.ctypes.data // page, -(-(big.ctypes.data + big.nbytes) // page)
-    assert M._mincore_resident([big]) == (hi - lo) * page
+    assert M.mincore_resident([big]) == (hi - lo) * page
     small = np.ones(3 * page + 5, dtype=np.uint8)                          # malloc's: may sit in the heap
-    resident = M._mincore_resident([small])
+    resident = M.mincore_resident([small])
     assert (3 * page + 5) <= resident <= 5 * page
-    assert M._mincore_resident([small, small]) == resident                  # shared pages counted once
-    assert M._resident_in([small])[0] == resident
+    assert M.mincore_resident([small, small]) == resident                  # shared pages counted once
+    assert M.resident_in([small])[0] == resident
 
 
 def test_int8_mqa_report_row_within_2_percent():

@@ -73,15 +73,15 @@ def test_refuses_when_ray_reports_a_node_off_loopback(local_ray, monkeypatch):
 
 
 def test_refuses_a_wildcard_listener(local_ray, monkeypatch):
-    real = runtime._socket_addresses
-    monkeypatch.setattr(runtime, "_socket_addresses", lambda: real() + [("raylet (pid 1) listen socket", "0.0.0.0")])
+    real = runtime.socket_addresses
+    monkeypatch.setattr(runtime, "socket_addresses", lambda: real() + [("raylet (pid 1) listen socket", "0.0.0.0")])
     with pytest.raises(NonLoopbackError, match="raylet \\(pid 1\\) listen socket: 0.0.0.0"):
         check_loopback()
 
 
 def test_a_failed_check_shuts_down_the_instance_it_started(local_ray, monkeypatch):
     assert stop_local_ray() == [] and ray_processes() == []
-    monkeypatch.setattr(runtime, "_socket_addresses", lambda: [("gcs_server (pid 1) listen socket", "0.0.0.0")])
+    monkeypatch.setattr(runtime, "socket_addresses", lambda: [("gcs_server (pid 1) listen socket", "0.0.0.0")])
     with pytest.raises(NonLoopbackError):
         start_local_ray()
     assert not ray.is_initialized() and ray_processes() == []

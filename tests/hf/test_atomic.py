@@ -208,7 +208,7 @@ def test_fault_after_commit_keeps_the_forward_and_releases_later():
     got = forward(model, ids[:, 13:14], mask[:, :14], cache)
     cache.pool.fault_hook = no_fault
     torch.testing.assert_close(got, forward(ref, ids[:, 13:14], mask[:, :14], dyn), atol=1e-10, rtol=1e-10)
-    assert "decref" in seen and cache.lengths() == [14]
+    assert "decref" in seen and cache.lengths() == [14] and cache.stats["deferred_releases"] == 1
     kept = cache.pool.config.num_pages - cache.pool.num_free_pages
     torch.testing.assert_close(forward(model, ids[:, 14:15], mask, cache), forward(ref, ids[:, 14:15], mask, dyn),
                                atol=1e-10, rtol=1e-10)

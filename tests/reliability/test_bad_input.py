@@ -538,7 +538,8 @@ KERNEL = [
      r"^q: expected values finite in float32 \(\|x\| <= 3\.4028235e\+38\), got 1e\+39 at index \(0, 0, 0\)$"),
     ("kernel-k-list", _kw(k_pages=lambda w: w.k_pages.tolist()), TypeError, r"^k_pages: expected a numpy array, got list$"),
     ("kernel-k-int", _kw(k_pages=lambda w: w.k_pages.astype(int)), TypeError,
-     r"^k_pages: expected float16, float32, float64 or int8, got dtype int64$"),
+     r"^k_pages: expected float16, float32, float64 or int8 \(or uint16 bfloat16 bits with storage='bfloat16'\), "
+     r"got dtype int64$"),
     ("kernel-k-3d", _kw(k_pages=lambda w: w.k_pages[0]), ValueError, r"^k_pages: expected a 4-d array"),
     ("kernel-k-strided", _kw(k_pages=lambda w: w.k_pages[:, :, ::2]), ValueError,
      r"^k_pages: expected a C-contiguous array, got strides "),

@@ -55,7 +55,7 @@ def test_guards_need_an_empty_pool_of_three_pages():
 
 @pytest.mark.kernel
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2 ** 32 - 1), dtype=st.sampled_from(["float16", "float32", "float64"]),
+@given(seed=st.integers(0, 2 ** 32 - 1), dtype=st.sampled_from(["float16", "float32", "float64", "bfloat16"]),
        layers=st.integers(1, 3), page_size=st.sampled_from([1, 2, 3, 4, 8]), num_pages=st.integers(3, 40),
        window=st.sampled_from([None, None, 1, 2, 5, 9]), kv_heads=st.sampled_from([1, 2]),
        group=st.sampled_from([1, 2, 3]))

@@ -374,7 +374,7 @@ def test_overflowing_scores_are_rejected_not_garbage():
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_magnitude_limits_on_every_decoder_path(path, which):
     from decode import batch_step
-    from decode._validate import magnitude_limits
+    from decode.inputs import magnitude_limits
     rng = np.random.default_rng(12)
     cache = KVCache(num_kv_heads=2, head_dim=8, page_size=4, num_pages=8)
     dec, other = Decoder.on_cache(cache, 4), Decoder.on_cache(cache, 4)

@@ -518,3 +518,15 @@ def test_the_memory_budget_sizes_the_pool_by_the_raw_kv_formula(budget, kv_cache
     pages = parse_memory("budget", budget) // (per_token * 8)
     assert eng.stats()["pages_total"] == pages
     assert eng.pool.cache.pool_nbytes <= parse_memory("budget", budget) < eng.pool.cache.pool_nbytes + per_token * 8
+
+
+def test_torch_keeps_its_thread_count_across_parallel_kernel_launches():
+    """A prefill of >= 256 tokens runs the attention kernel on numba's threads; numba's OpenMP layer, at its
+    first launch, resets the process's OpenMP thread count (torch's too): the runner puts torch's back."""
+    assert torch.get_num_threads() == 1                          # the module's setting
+    eng = engine(max_num_batched_tokens=600, max_num_seqs=8)
+    prompts = random_prompts(2, 280, 300, VOCAB, seed=95)
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_tokens=3, temperature=0))
+    drain(eng)
+    assert torch.get_num_threads() == 1
