@@ -135,6 +135,8 @@ def markdown(rows: list[dict], info: dict) -> str:
         out += [f"**{title}**", "", head, "|---|---|" + "---|---|" * len(dtypes) + ("---|" * len(dtypes) if sdpa else "")]
         for case in dict.fromkeys(r["case"] for r in sel):
             for mode in dict.fromkeys(r["mode"] for r in sel):
+                if not any(x["case"] == case and x["mode"] == mode for x in sel):
+                    continue
                 cells = []
                 mib = None
                 for d in dtypes:
@@ -149,6 +151,23 @@ def markdown(rows: list[dict], info: dict) -> str:
                 where = f"{mode} ({mib:.0f} MiB)" if mib else mode
                 out.append(f"| {case} | {where} | " + " | ".join(cells) + " |")
         out.append("")
+    out.append("Tally (shapes x sets; engine faster = ratio > 1.25, parity 0.8-1.25, slower < 0.8; by the median and "
+               "by the best of each process):")
+    out.append("")
+    for kind in ("decode", "batch", "prefill"):
+        for d in dtypes:
+            for peer in ("vllm", "sdpa"):
+                sel = [r for r in rows if r["kind"] == kind and r["dtype"] == d and f"{peer}_over_engine" in r]
+                if not sel:
+                    continue
+                counts = []
+                for key in (f"{peer}_over_engine", f"{peer}_over_engine_best"):
+                    v = [r[key] for r in sel]
+                    counts.append(f"{sum(x > 1.25 for x in v)} / {sum(0.8 <= x <= 1.25 for x in v)} / "
+                                  f"{sum(x < 0.8 for x in v)}")
+                out.append(f"* {kind} {d} vs {'vLLM' if peer == 'vllm' else 'torch SDPA'}: engine faster / parity / "
+                           f"slower = {counts[0]} (medians), {counts[1]} (best) of {len(sel)}")
+    out.append("")
     errs = {}
     for r in rows:
         for impl in ("engine", "vllm", "sdpa"):
