@@ -40,6 +40,7 @@ TILED_SERIAL_WORK = 1 << 20  # rows x visible keys x (head_dim + head_dim_v) bel
 TILED_SPLIT = 1024           # a tile's keys are cut at absolute multiples of this (a multiple of TILE_BLOCK)
 
 PRECISIONS = ("default", "highest")
+WIDE_HEAD_DIM = 64           # q.k of shorter heads is accumulated in float64 (`accumulator`)
 BFLOAT16 = "bfloat16"        # the storage format without a numpy dtype: uint16 bits (`kvcache.bf16`)
 _KERNEL_VIEW = {np.dtype(np.float16): np.dtype(np.uint16)}
 _NO_UNITS = np.empty((0, 4), dtype=np.int64)
@@ -54,10 +55,19 @@ def compute_dtype(storage) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(storage) == np.float64 else np.dtype(np.float32)
 
 
-def accumulator(compute: np.dtype, precision: str = "default"):
+def accumulator(compute: np.dtype, precision: str = "default", head_dim: int = WIDE_HEAD_DIM):
     """A zero of the q.k accumulation dtype (a type parameter of the kernels): float32 like every peer, float64
-    for float64 storage or precision="highest" (each score its exact value rounded once into float32)."""
-    return np.float64(0.0) if compute == np.float64 or precision == "highest" else np.float32(0.0)
+    for float64 storage, precision="highest" (each score its exact value rounded once into float32) or a
+    head_dim below WIDE_HEAD_DIM (docs/kernel.md: there a float32 sum's final butterfly dominates its error and
+    the budget's sqrt(head_dim) allowance is small; q.k is a small part of the work)."""
+    if compute == np.float64 or precision == "highest" or head_dim < WIDE_HEAD_DIM:
+        return np.float64(0.0)
+    return np.float32(0.0)
+
+
+def k_int8(storage) -> bool:
+    """Whether a storage format (numpy dtype or name) is int8."""
+    return not isinstance(storage, str) and np.dtype(storage) == np.int8
 
 
 def kernel_view(pages, storage=None):
@@ -182,7 +192,9 @@ class AttentionPlan:
         self.query_seq, self.query_pos = query_seq, query_pos
         self.indices = self.indptr = None
         self.out_shape = (num_queries, num_q_heads, head_dim_v)
-        acc0 = accumulator(compute_dtype(storage), precision)
+        acc0 = accumulator(compute_dtype(storage), precision, head_dim)
+        if k_int8(storage):
+            acc0 = np.float32(0.0)                        # the int8 micro-kernels accumulate in float32
         self.tiles, self.rest, self.single = None, None, None
         if tiled and num_queries >= min_run:
             runs, rest, keys = find_runs(query_seq, query_pos, min_run, window)
@@ -324,7 +336,7 @@ def attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query
     runs, rest, keys = find_runs(query_seq, query_pos, min_run, window)
     if len(runs):
         _, num_q_heads, head_dim = q.shape
-        acc0 = accumulator(compute_dtype(storage), precision)
+        acc0 = np.float32(0.0) if k_int8(storage) else accumulator(compute_dtype(storage), precision, head_dim)
         plan = TilePlan(runs, keys, window, num_q_heads, v_pages.shape[1], head_dim, v_pages.shape[3], acc0,
                         mode=mode, split_tokens=split_tokens)
         plan.run(q, kernel_view(k_pages, storage), kernel_view(v_pages, storage), kernel_view(k_scales),

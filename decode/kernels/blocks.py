@@ -18,10 +18,13 @@ def store4(Sg, c, r, k):
 
 
 @njit(cache=True, fastmath=FAST)
-def store44(S, g, c, r):
-    """S[g + a, c:c+4] = r[4a:4a+4] for a < 4 (the 16 results of a 4 heads x 4 rows block, head-major)."""
-    for a in range(4):
-        store4(S[g + a], c, r, 4 * a)
+def store44(S0, S1, S2, S3, c, r):
+    """S_a[c:c+4] = r[4a:4a+4] for a < 4 (the 16 results of a 4 heads x 4 rows block, head-major; the row views
+    are made once by the caller: a view per block costs a reference-count increment and decrement)."""
+    store4(S0, c, r, 0)
+    store4(S1, c, r, 4)
+    store4(S2, c, r, 8)
+    store4(S3, c, r, 12)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -43,20 +46,22 @@ def qk(qs, kp, s0, s1, S, c0):
     D = qs.shape[1]
     g = 0
     while g + 4 <= G:
+        S0, S1, S2, S3 = S[g], S[g + 1], S[g + 2], S[g + 3]
         t = s0
         c = c0
         while t + 4 <= s1:
-            store44(S, g, c, dot44(qs, g, kp, t, D, s1 - 1))
+            store44(S0, S1, S2, S3, c, dot44(qs, g, kp, t, D, s1 - 1))
             t += 4
             c += 4
         if t < s1:
             store_some(S, g, 4, c, dot44(qs, g, kp, t, D, s1 - 1), s1 - t)
         g += 4
     while g < G:
+        Sg = S[g]
         t = s0
         c = c0
         while t + 4 <= s1:
-            store4(S[g], c, dot14(qs, g, kp, t, D, s1 - 1), 0)
+            store4(Sg, c, dot14(qs, g, kp, t, D, s1 - 1), 0)
             t += 4
             c += 4
         if t < s1:

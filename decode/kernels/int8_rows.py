@@ -100,7 +100,8 @@ def qk4_int8(qs, kp, st, s0, s1, S, c0, kt):
     """S[g, c0 + t - s0] = qs[g] . (kp[t] * its group scales) for t in [s0, s1), for 4 to 7 query heads per kv
     head: blocks of 4 heads x 4 rows straight from the int8 rows (`dot44_i8`: each row converted and scaled once
     per 4 heads, 16 dot products reduced by one butterfly); leftover rows and heads through a widened tile
-    (`widen_rows` + `qk`), a short last group element by element. kt [CHUNK, D] float32 scratch."""
+    (`widen_rows` + `blocks.qk`, the float register blocks), a short last group element by element. kt [CHUNK, D]
+    float32 scratch."""
     G = qs.shape[0]
     D = qs.shape[1]
     full = D // GROUP
@@ -108,9 +109,10 @@ def qk4_int8(qs, kp, st, s0, s1, S, c0, kt):
     g4 = G - G % 4
     t4 = s0 + (s1 - s0) // 4 * 4
     for g in range(0, g4, 4):
+        S0, S1, S2, S3 = S[g], S[g + 1], S[g + 2], S[g + 3]
         c = c0
         for t in range(s0, t4, 4):
-            store44(S, g, c, dot44_i8(qs, g, kp, t, st, NG, full))
+            store44(S0, S1, S2, S3, c, dot44_i8(qs, g, kp, t, st, NG, full))
             c += 4
     if full < NG:                                        # the short last group of the block rows
         for g in range(g4):
@@ -121,24 +123,16 @@ def qk4_int8(qs, kp, st, s0, s1, S, c0, kt):
                 for d in range(full * GROUP, D):
                     part += qg[d] * np.float32(row[d])
                 S[g, c0 + t - s0] += part * st[t * NG + full]
-    rest_rows = t4 < s1
-    if g4 < G or rest_rows:                              # leftover heads (all rows), leftover rows (all heads)
-        RC = kt.shape[0]
-        r = s0 if g4 < G else t4
-        while r < s1:
-            r1 = min(s1, r + RC)
-            widen_rows(kp, st, r, r1, kt)
-            for g in range(G):
-                if g < g4 and r1 <= t4:
-                    continue
-                qg = qs[g]
-                for t in range(max(r, t4) if g < g4 else r, r1):
-                    row = kt[t - r]
-                    a = qg[0] - qg[0]
-                    for d in range(D):
-                        a += qg[d] * row[d]
-                    S[g, c0 + t - s0] = a
-            r = r1
+    RC = kt.shape[0]
+    r = s0
+    while g4 < G and r < t4:                             # leftover heads, rows s0..t4: widened chunks
+        r1 = min(t4, r + RC)
+        widen_rows(kp, st, r, r1, kt)
+        qk(qs[g4:], kt, 0, r1 - r, S[g4:], c0 + r - s0)
+        r = r1
+    if t4 < s1:                                          # leftover rows (< 4), every head
+        widen_rows(kp, st, t4, s1, kt)
+        qk(qs, kt, 0, s1 - t4, S, c0 + t4 - s0)
 
 
 @njit(cache=True, fastmath=FAST)

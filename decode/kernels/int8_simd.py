@@ -16,6 +16,9 @@ from numba.extending import intrinsic, overload
 
 from .simd import JIT
 
+if JIT:
+    from .simd import reduce_many_ir, widen_halves_ir
+
 GROUP = 32            # values per scale (kvcache.quant.GROUP_SIZE; the kernels import nothing of kvcache)
 
 
@@ -222,30 +225,6 @@ if JIT:
     def _pv4_i8_ov(S, g, c, vp, st, nsg, t0, t1, acc, ng):
         return lambda S, g, c, vp, st, nsg, t0, t1, acc, ng: _pv4_i8(S, g, c, vp, st, nsg, t0, t1, acc, ng)
 
-    def _butterfly(builder, vs):
-        """The lane sums of n <16 x float> vectors (n a power of two <= 16), in order: log2(n) stages of shuffle
-        pairs (each halves the lanes per partial sum and doubles the sums per vector), then xor shuffles inside the
-        last vector (n - 1 shuffle pairs in all where n horizontal sums would take 4 n)."""
-        i32 = _ir.IntType(32)
-        n = len(vs)
-        width = 8
-        while len(vs) > 1:
-            lo = [start + i for start in range(0, 16, 2 * width) for i in range(width)]
-            hi = [x + width for x in lo]
-            lo, hi = lo + [16 + x for x in lo], hi + [16 + x for x in hi]
-            vs = [builder.fadd(builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(i32, 16), lo)),
-                               builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(i32, 16), hi)))
-                  for a, b in zip(vs[0::2], vs[1::2])]
-            width //= 2
-        v = vs[0]
-        span = 16 // n
-        while span > 1:
-            half = span // 2
-            v = builder.fadd(v, builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(i32, 16),
-                                                                          [i ^ half for i in range(16)])))
-            span = half
-        return [builder.extract_element(v, _ir.Constant(i32, k * (16 // n))) for k in range(n)]
-
     @intrinsic
     def _dot44_i8(typingctx, qs, g, kp, t, st, nsg, ng):
         if not (_is(qs, types.float32, 2) and _is(kp, types.int8, 2) and _is(st, types.float32, 1)
@@ -286,7 +265,8 @@ if JIT:
                         for b in range(4):
                             sl = slots[a * 4 + b]
                             builder.store(builder.call(fma, [qv[a], kv[b], builder.load(sl)]), sl)
-            sums = _butterfly(builder, [builder.load(sl) for sl in slots])
+            accs = [widen_halves_ir(builder, builder.load(sl)) for sl in slots]       # lane sums in float64
+            sums = [builder.fptrunc(x, _ir.FloatType()) for x in reduce_many_ir(builder, accs, 8)]
             return context.make_tuple(builder, sig.return_type, sums)
 
         return sig, codegen
@@ -331,7 +311,8 @@ if JIT:
                     v = builder.insert_element(_ir.Constant(_V16, _ir.Undefined), x, _ir.Constant(_ir.IntType(32), 0))
                     scale = builder.shuffle_vector(v, v, _ir.Constant(_V16I32, [0] * 16))
                     builder.store(builder.call(fma, [part, scale, builder.load(sl)]), sl)
-            sums = _butterfly(builder, [builder.load(sl) for sl in slots])
+            accs = [widen_halves_ir(builder, builder.load(sl)) for sl in slots]       # lane sums in float64
+            sums = [builder.fptrunc(x, _ir.FloatType()) for x in reduce_many_ir(builder, accs, 8)]
             return context.make_tuple(builder, sig.return_type, sums)
 
         return sig, codegen

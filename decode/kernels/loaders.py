@@ -79,25 +79,25 @@ if JIT:
     def _floats(scales):
         return scales is None or isinstance(scales, (types.NoneType, types.Omitted))
 
-    @overload(tile_scales)
+    @overload(tile_scales, inline="always")
     def _tile_scales_ov(scales, page, h, st):
         if _floats(scales):
             return lambda scales, page, h, st: None
         return lambda scales, page, h, st: h2f_all(scales[page, h], st)
 
-    @overload(score_rows)
+    @overload(score_rows, inline="always")
     def _score_rows_ov(qh, kp, st, scales, r0, r1, Sh, c, kt):
         if _floats(scales):
             return lambda qh, kp, st, scales, r0, r1, Sh, c, kt: qk(qh, kp, r0, r1, Sh, c)
         return lambda qh, kp, st, scales, r0, r1, Sh, c, kt: score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt)
 
-    @overload(value_rows)
+    @overload(value_rows, inline="always")
     def _value_rows_ov(Sh, c, vp, st, scales, r0, r1, ah, vt):
         if _floats(scales):
             return lambda Sh, c, vp, st, scales, r0, r1, ah, vt: pv(Sh, c, vp, r0, r1, ah)
         return lambda Sh, c, vp, st, scales, r0, r1, ah, vt: value_rows_int8(Sh, c, vp, st, r0, r1, ah, vt)
 
-    @overload(block_rows)
+    @overload(block_rows, inline="always")
     def _block_rows_ov(tile, scales, page, h, s0, s1, dst, j, st):
         if _floats(scales):
             return lambda tile, scales, page, h, s0, s1, dst, j, st: _float_block_rows(tile, s0, s1, dst, j)

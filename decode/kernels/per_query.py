@@ -33,13 +33,14 @@ def prefetch_ahead(run, nxt, R0, R1, A):
         prefetch_lines(nxt, max(a - HP, 0), b - HP)
 
 
-@njit(cache=True, fastmath=FAST)
+@njit(cache=True, fastmath=FAST, inline="always")
 def walk_block(values, qs, pool, nxt_pool, scales, pages, b0, b1, jn, S, acc, RC, A, st, rows):
     """One pass over the keys [b0, b1) of a block (whole pages), page-major and head-minor: scores into S
     (values False: ``S[h, :, c] = qs[h] . K[t]``) or the weighted values into acc (values True). Each tile is taken
     in chunks of RC rows; while a chunk is used, the rows A further along the walk are prefetched (the next run
     after the block's last page is page ``pages[jn]`` of ``nxt_pool``: K's pass is followed by the block's first V,
-    V's by the next block's first K). st / rows: the loader's scratch (`loaders`)."""
+    V's by the next block's first K). st / rows: the loader's scratch (`loaders`). Inlined into its two call sites
+    (numba IR), where ``values`` is a constant: each is a loop of one kind."""
     P = pool.shape[2]
     H = pool.shape[1]
     c = 0

@@ -180,13 +180,12 @@ def dot14(qs, g, kp, t, n, last):
 
 def _dot(x, y):
     """x . y in x's dtype, summed as the IR blocks do: per lane of a 16 (float32) or 8 (float64) lane vector in
-    order, then the lanes pairwise (their butterfly; float32 lanes in float64, rounded once at the end)."""
+    order, then the lanes pairwise (their butterfly)."""
     lanes = 8 if x.dtype == np.float64 else 16
     acc = np.zeros(lanes, x.dtype)
     for i in range(0, len(x), lanes):
         k = min(lanes, len(x) - i)
         acc[:k] += x[i:i + k] * y[i:i + k].astype(x.dtype)
-    acc = acc.astype(np.float64)
     while len(acc) > 1:
         acc = acc[: len(acc) // 2] + acc[len(acc) // 2:]
     return x.dtype.type(acc[0])
@@ -253,7 +252,7 @@ if JIT:
         name = "llvm.fma.v%d%s" % (lanes, "f64" if lanes == 8 else "f32")
         return _cg.get_or_insert_function(builder.module, _ir.FunctionType(vt, [vt, vt, vt]), name)
 
-    def _reduce_many(builder, accs, lanes):
+    def reduce_many_ir(builder, accs, lanes):
         """Sums of n accumulators (<lanes x T>, n a power of two) by a butterfly of shuffles: each stage halves
         the lanes per partial sum and doubles the sums per vector (n - 1 shuffle pairs instead of n reductions)."""
         vs = list(accs)
@@ -290,7 +289,7 @@ if JIT:
                 out[k] = builder.extract_element(v, _ir.Constant(_I32, lane))
         return out
 
-    def _widen_halves(builder, acc):
+    def widen_halves_ir(builder, acc):
         """<16 x float> -> <8 x double>: its low and high halves widened exactly and added (one rounding)."""
         dv = _ir.VectorType(_ir.DoubleType(), 8)
         lo = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_I32, 8), list(range(8))))
@@ -336,12 +335,7 @@ if JIT:
                                                    _ir.Constant(_ir.VectorType(_I32, lanes), [0] * lanes))
                     mask = builder.icmp_signed("<", lane_ids, splat)
                     step(full, lambda ptr, st: _vload_masked(context, builder, ptr, st, lanes, vt, mask))
-                accs = [builder.load(sl) for sl in slots]
-                if lanes == 16:         # float32 lanes: their sums in float64, one rounding into each score
-                    accs = [_widen_halves(builder, a) for a in accs]
-                    sums = [builder.fptrunc(x, ft) for x in _reduce_many(builder, accs, 8)]
-                else:
-                    sums = _reduce_many(builder, accs, lanes)
+                sums = reduce_many_ir(builder, [builder.load(sl) for sl in slots], lanes)
                 return context.make_tuple(builder, sig.return_type, sums)
 
             return types.UniTuple(qs.dtype, ng * nt)(qs, g, kp, t, n, last), codegen

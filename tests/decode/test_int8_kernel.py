@@ -5,6 +5,7 @@ computation in float32 on the same dequantized values (the float32 budget of the
 Marked `kernel`: CI reruns these with NUMBA_DISABLE_JIT=1 and NUMBA_BOUNDSCHECK=1 on --reduced-grid.
 """
 import importlib.util
+import itertools
 import math
 from pathlib import Path
 
@@ -171,3 +172,28 @@ def test_scales_refused_for_float_pages_and_int8_v_needs_int8_k():
     out = _call(scene)
     assert out.dtype == np.float32
     scene.check(out)
+
+
+_INT8_MISSES = pytest.mark.xfail(strict=True, reason="int8 at |q.k| ~ 3000 (head_dim 128, magnitude 10): the int8 "
+                                 "dot blocks round ~4-6 times per lane (a scale FMA per group of 32), 1.2-1.3x over "
+                                 "the budget at group 4; not claimed (docs/int8.md)")
+
+
+@pytest.mark.parametrize("head_dim,magnitude", [pytest.param(d, m, marks=_INT8_MISSES) if d == 128 and m == 10.0
+                                                else (d, m) for d in (3, 33, 64, 128, 129) for m in (1.0, 3.0, 10.0)])
+def test_score_magnitudes(head_dim, magnitude, reduced_grid):
+    """int8 pages under the magnitude grid of the float formats (q and K scaled up: |q.k| up to ~1000 at
+    head_dim 128, the softmax nearly one-hot): within the float32 budget (`naive.budget`) of the float64 oracle
+    on the dequantized K/V, per-query kernel serial, parallel and split, and the tiled kernel (a run)."""
+    if reduced_grid and (head_dim, magnitude) not in ((3, 10.0), (33, 10.0), (64, 1.0)):
+        pytest.skip("full grid only")
+    pages = (1, 16) if reduced_grid else (1, 3, 16, 64)
+    for P, group in itertools.product(pages, (1, 4, 8, 32)):
+        rng = np.random.default_rng(int(head_dim * 1000 + P * 10 + group + magnitude * 7))
+        L = 300 if not reduced_grid else 70
+        scene = Int8Scene(rng, num_kv_heads=1 if group == 32 else 2, group=group, head_dim=head_dim, page_size=P,
+                          lengths=(1, P + 1, L), magnitude=magnitude,
+                          queries=[(0, 0), (1, P)] + [(2, t) for t in range(L - 5, L)])
+        scene.q *= magnitude
+        for mode, split in ((1, 0), (2, 0), (2, 64)):
+            scene.check(scene.run(mode=mode, split_tokens=split))

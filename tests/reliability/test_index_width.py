@@ -96,9 +96,9 @@ def test_kernels_read_the_top_pages_of_a_pool_past_2_to_the_31_elements(mode, mo
     """A decoder whose pages are the pool's last two (element offsets > 2**31, byte offsets > 2**32) decodes
     exactly what the float64 reference computes on its K/V; an int32 offset anywhere would read the zeros of a
     low page (or fault). Parallel: the dispatch threshold is set to 0 so every call takes the parallel kernel."""
-    import decode.attention as attention
+    import decode.attention_plan as attention_plan
     if mode == "parallel":
-        monkeypatch.setattr(attention, "SERIAL_WORK", 0)
+        monkeypatch.setattr(attention_plan, "SERIAL_WORK", 0)
     cache = _big_pool()
     cfg = cache.config
     hog = cache.create_sequence()

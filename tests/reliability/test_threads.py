@@ -198,8 +198,8 @@ def test_workers_and_a_forker_on_one_pool(reduced_grid):
 @pytest.mark.kernel
 def test_threads_on_the_parallel_kernel(monkeypatch, reduced_grid):
     """Every kernel call takes the parallel (prange) path while several threads decode."""
-    import decode.attention as attention
-    monkeypatch.setattr(attention, "SERIAL_WORK", 0)
+    import decode.attention_plan as attention_plan
+    monkeypatch.setattr(attention_plan, "SERIAL_WORK", 0)
     shared = run_threads(workers=3, steps=100 if reduced_grid else 600, sample=2)
     assert reduced_grid or shared.forks > 0
 
