@@ -209,14 +209,16 @@ def test_nan_slots_and_page_order(dtype, reduced_grid):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_split_serial_parallel_untiled(dtype, reduced_grid):
-    """Serial == parallel (same units, bitwise); key-range parts of several sizes and the single-query kernel
+    """Serial == parallel at the same pieces (bitwise); key-range parts of several sizes and the single-query kernel
     (tiled=False) agree with them to rounding."""
     P = 4 if reduced_grid else 16
     L, T = (12 * P + 3, 9) if reduced_grid else (1500, 40)
     pool = Pool(np.random.default_rng(8), dtype=dtype, num_kv_heads=1, group=8, head_dim=3 if reduced_grid else 64,
                 page_size=P, lengths=(L,), runs=((0, L - T, T),))
     ref = pool.run(mode=1)
-    assert np.array_equal(ref, pool.run(mode=2, split_tokens=10 ** 9))
+    assert np.array_equal(ref, pool.run(mode=2))           # the default pieces (fixed absolute cuts)
+    whole = pool.run(mode=1, split_tokens=10 ** 9)
+    assert np.array_equal(whole, pool.run(mode=2, split_tokens=10 ** 9))   # one piece per run
     tol = 1e-14 if dtype == F64 else 2e-6
     for split in (1, 7, 64, 130, 1000):
         np.testing.assert_allclose(pool.run(mode=2, split_tokens=split), ref, rtol=tol, atol=tol)
