@@ -46,7 +46,7 @@ def build_model(args):
 def measure(args) -> dict:
     from decode.serve import Engine, SamplingParams
     from decode.serve import packed_attention
-    from decode.serve.testing import random_prompts
+    from decode.serve.fixtures import random_prompts
 
     model = args.checkpoint or build_model(args)                 # a directory: its tokenizer detokenizes too
     engine = Engine(model, max_tokens=args.requests * (args.prompt + args.new) + 1024, block_size=16,

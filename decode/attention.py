@@ -34,7 +34,7 @@ import math
 import numpy as np
 
 from .attention_plan import BFLOAT16, PRECISIONS, attend_unchecked, compute_dtype
-from .kernels.checks import CheckCode, check_inputs
+from .kernels.input_check import CheckCode, check_inputs
 
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))

@@ -104,7 +104,7 @@ def test_the_checks_can_fail():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     wrong = {"kvcache.cache": {"decode.attention"}, "decode.decoder": {"reference.dense"},
-             "decode.hf.cache": {"decode.app.cli"}, "reference.oracle": {"kvcache"},
+             "decode.hf.paged_cache": {"decode.app.cli"}, "reference.oracle": {"kvcache"},
              "decode.app.demo": {"reference.dense", "decode"}}
     assert len(layer_violations(wrong)) == 4
 

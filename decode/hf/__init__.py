@@ -13,8 +13,8 @@ Needs the ``hf`` extra (torch, transformers); ``import decode`` never imports th
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention import paged_attention, paged_mask
-from .cache import PagedCache
+from .pagedkv_attention import paged_attention, paged_mask
+from .paged_cache import PagedCache
 from .handoff import PagedAttentionRequired
 from .layout import ModelLayout, UnsupportedFeatureError, layout_of
 

@@ -18,7 +18,7 @@ import torch
 
 from decode.attention import paged_decode_attention
 
-from .storage import kernels_take_storage
+from .page_dtype import kernels_take_storage
 
 # forwards with at least this many real queries (prefills) run the kernel on numba's threads: long enough that
 # torch's spinning OpenMP threads have gone idle (measured: a 4096-token prefill on 2 cores 16.2 s single-threaded

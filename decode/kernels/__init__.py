@@ -12,7 +12,7 @@
     simd.py       scalar and SIMD helpers: element loads, prefetch, exact 2**n, polynomial exp, LLVM-IR dot and PV
                   register blocks (each with a plain-Python twin for NUMBA_DISABLE_JIT)
     gemm.py       the 4-row register-blocked micro-GEMM in LLVM IR that tiled.py's tiles run on
-    checks.py     the one-pass input check of the validating wrapper (its codes: `CheckCode`)
+    input_check.py the one-pass input check of the validating wrapper (its codes: `CheckCode`)
 
 Everything here takes arrays and scalars only: no globals, no objects, no checks. Planning (which kernel, which
 units) is `decode.attention_plan`; the validating entry point is `decode.attention.paged_decode_attention`;

@@ -3,7 +3,7 @@ import os
 import tempfile
 
 
-def _writable_dir(path):
+def writable_dir(path):
     try:
         os.makedirs(path, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
@@ -17,13 +17,13 @@ def _configure_cache_dir():
     user set no NUMBA_CACHE_DIR, point numba at a per-user cache directory instead, before any decorator runs."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return None
-    if _writable_dir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")):
+    if writable_dir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")):
         return None
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     uid = os.getuid() if hasattr(os, "getuid") else os.getpid()
     for cand in (os.path.join(base, "pagedkv", "numba"),
                  os.path.join(tempfile.gettempdir(), "pagedkv-numba-%s" % uid)):
-        if _writable_dir(cand):
+        if writable_dir(cand):
             os.environ["NUMBA_CACHE_DIR"] = cand
             from numba.core import config as _config
             _config.CACHE_DIR = cand

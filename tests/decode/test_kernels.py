@@ -518,13 +518,13 @@ def test_cache_dir_fallback(monkeypatch, tmp_path):
     monkeypatch.setattr(config, "CACHE_DIR", config.CACHE_DIR)
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    real = K._writable_dir
-    monkeypatch.setattr(K, "_writable_dir", lambda path: "__pycache__" not in path and real(path))
+    real = K.writable_dir
+    monkeypatch.setattr(K, "writable_dir", lambda path: "__pycache__" not in path and real(path))
     chosen = K._configure_cache_dir()
     assert chosen == str(tmp_path / "xdg" / "pagedkv" / "numba")
     assert config.CACHE_DIR == chosen and K.os.environ["NUMBA_CACHE_DIR"] == chosen
     monkeypatch.delenv("NUMBA_CACHE_DIR")
-    monkeypatch.setattr(K, "_writable_dir", lambda path: "__pycache__" not in path and "xdg" not in path
+    monkeypatch.setattr(K, "writable_dir", lambda path: "__pycache__" not in path and "xdg" not in path
                         and real(path))
     chosen = K._configure_cache_dir()
     assert chosen is not None and "pagedkv-numba" in chosen and config.CACHE_DIR == chosen

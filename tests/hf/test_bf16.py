@@ -5,7 +5,7 @@ exceeds 8x its own bfloat16 rounding error (`precision.token_identity`); the cou
 and reported in docs/transformers.md."""
 import pytest
 
-from decode.hf.storage import bfloat16_pages
+from decode.hf.page_dtype import bfloat16_pages
 
 from .models import ARCHS
 from .precision import bfloat16_runs, token_identity

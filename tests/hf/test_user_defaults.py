@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from decode.hf import PagedCache
 from decode.hf.sizing import pages_for_generate
-from decode.hf.storage import bfloat16_pages
+from decode.hf.page_dtype import bfloat16_pages
 
 from .test_misuse import build, forward, llama
 from .models import generate, prompts

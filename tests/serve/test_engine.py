@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from decode.serve import Engine, RequestRejected, SamplingParams  # noqa: E402
-from decode.serve.testing import random_prompts, reference_greedy, tiny_llama  # noqa: E402
+from decode.serve.fixtures import random_prompts, reference_greedy, tiny_llama  # noqa: E402
 
 VOCAB = 256
 GREEDY = SamplingParams(max_tokens=12, temperature=0)

@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 
 from decode.serve import Engine, SamplingParams  # noqa: E402
 from decode.serve.output_text import OutputText  # noqa: E402
-from decode.serve.testing import (AsciiTokenizer, ByteTokenizer, random_prompts, reference_greedy,  # noqa: E402
+from decode.serve.fixtures import (AsciiTokenizer, ByteTokenizer, random_prompts, reference_greedy,  # noqa: E402
                                   tiny_llama)
 
 VOCAB = 256

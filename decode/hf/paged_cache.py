@@ -28,7 +28,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcache import CacheFullError, KVCache
 
-from . import handoff, sizing, storage
+from . import handoff, sizing
+from . import page_dtype as storage
 from .layout import ModelLayout, UnsupportedFeatureError, layout_key, layout_of
 from .plan import ForwardPlan
 from .rows import RowColumns
