@@ -28,6 +28,8 @@ Public helpers (the cache's writes and the kernels' loaders use these; nothing e
 import numpy as np
 from numba import njit
 
+from .checks import raise_not_storable
+
 NAME = "bfloat16"
 BITS_DTYPE = np.dtype(np.uint16)            # the element type of a bfloat16 pool
 QUIET_NAN = 0x7fc0
@@ -67,11 +69,7 @@ def check_storable(name: str, x: np.ndarray) -> np.ndarray:
     bits, bad = _round(x)
     if bad >= 0:                                                # inf or NaN after the rounding
         index = tuple(int(i) for i in np.unravel_index(bad, bits.shape))
-        original = x[index]
-        if np.isfinite(original):
-            raise ValueError(f"{name}: expected values finite in bfloat16 storage (|x| <= {MAX:.8g}), got "
-                             f"{original} at index {index}")
-        raise ValueError(f"{name}: expected finite values, got {original} at index {index}")
+        raise_not_storable(name, x[index], index, "bfloat16", f"{MAX:.8g}")
     return bits
 
 

@@ -82,9 +82,14 @@ def cast_to_storage(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray
         cast = array.astype(dtype, copy=False)
     if not all_finite(cast):
         index, _ = first_nonfinite(cast)
-        original = array[index]
-        if np.isfinite(original):
-            raise ValueError(f"{name}: expected values finite in {dtype} storage (|x| <= {np.finfo(dtype).max}), "
-                             f"got {original} at index {index}")
-        raise ValueError(f"{name}: expected finite values, got {original} at index {index}")
+        raise_not_storable(name, array[index], index, dtype, np.finfo(dtype).max)
     return cast
+
+
+def raise_not_storable(name: str, original, index: tuple, storage, limit) -> None:
+    """The ValueError for the element ``original`` at ``index`` of ``name`` that is not finite in ``storage``:
+    non-finite itself, or finite but beyond the storage format's largest value ``limit``."""
+    if np.isfinite(original):
+        raise ValueError(f"{name}: expected values finite in {storage} storage (|x| <= {limit}), got {original} "
+                         f"at index {index}")
+    raise ValueError(f"{name}: expected finite values, got {original} at index {index}")
