@@ -21,6 +21,18 @@ def gather(pages, page_indices, page_indptr, seq, length):
     return out
 
 
+def bf16_bits(x):
+    """float32 -> bfloat16 bits (uint16), round to nearest even (finite inputs; NaN stays NaN): the tests' own
+    rounding, independent of `kvcache.bf16`."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_values(bits):
+    """bfloat16 bits (uint16) -> their float32 values (exact)."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
 def visible(pos, window):
     """First visible position for a query at ``pos``."""
     return 0 if window == 0 else max(0, pos - window + 1)

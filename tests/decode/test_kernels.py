@@ -210,6 +210,30 @@ def test_score_magnitudes(head_dim, magnitude, dtype, reduced_grid):
             scene.check(scene.run(mode=mode, split_tokens=split))
 
 
+@pytest.mark.parametrize("head_dim", [3, 33, 128, 129])
+def test_score_magnitudes_bfloat16(head_dim, reduced_grid):
+    """bfloat16 pages (storage="bfloat16", uint16 bits) under the magnitude grid of float16: K ~ 10 N(0, 1) and
+    V ~ N(0, 1) rounded once to bfloat16, q scaled by 10 (|q.k| ~ 10**3 at head_dim 128); the per-query kernel
+    serial, parallel and split within `naive.budget` of the float64 oracle on the bfloat16 values."""
+    if reduced_grid and head_dim != 33:
+        pytest.skip("full grid only")
+    pages = (1, 3, 16) if reduced_grid else (1, 2, 3, 4, 16, 64)
+    for P, group, seed in itertools.product(pages, (1, 8) if reduced_grid else (1, 4, 8, 32),
+                                            (0,) if reduced_grid else (0, 1)):
+        rng = np.random.default_rng(int(head_dim * 1000 + P * 10 + group) + 7919 * seed + 17)
+        scene = Scene(rng, dtype=F32, num_kv_heads=1 if group == 32 else 2, group=group, head_dim=head_dim,
+                      page_size=P, lengths=[1, P, 2 * P + 1, 70] if reduced_grid else [1, P, 2 * P + 1, 70, 300],
+                      values=_scaled_values(rng, F32, 10.0))
+        scene.q *= 10.0
+        kb, vb = _to_bf16_bits(scene.k_pages), _to_bf16_bits(scene.v_pages)
+        scene.k_pages, scene.v_pages = _bf16_values(kb), _bf16_values(vb)     # the oracle's K/V
+        args = scene.args()
+        for mode, split in ((1, 0), (2, 0), (2, 64)):
+            out = np.empty((len(scene.q), scene.q.shape[1], vb.shape[3]), F32)
+            scene.check(attend_unchecked(scene.q, kb, vb, *args[3:], scene.scale, 0, out, mode=mode,
+                                         split_tokens=split, tiled=False, storage="bfloat16"))
+
+
 def _scaled_values(rng, dtype, magnitude):
     """K ~ magnitude * N(0, 1) and V ~ N(0, 1), rounded once to the storage dtype."""
     def values(shape_k, shape_v):
@@ -540,14 +564,7 @@ def test_thresholds_are_sane():
 # ------------------------------------------------------------------------------------------------------------
 # bfloat16 pages (uint16 bits, widened by a 16-bit shift)
 # ------------------------------------------------------------------------------------------------------------
-def _to_bf16_bits(x):
-    """float32 -> bfloat16 bits (uint16), round to nearest even (finite inputs): the test's own rounding."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def _bf16_values(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+_to_bf16_bits, _bf16_values = naive.bf16_bits, naive.bf16_values
 
 
 @pytest.mark.parametrize("head_dim,group,P", [(1, 1, 1), (33, 4, 3), (64, 8, 16), (40, 2, 5), (128, 32, 16)])

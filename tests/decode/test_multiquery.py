@@ -255,6 +255,37 @@ def test_score_magnitudes(head_dim, dtype, reduced_grid):
             pool.check(pool.run(mode=mode, split_tokens=split))
 
 
+def _as_bfloat16(pool):
+    """Round the pool's K/V once to bfloat16: returns the (k, v) bit pages (uint16) the kernel reads and leaves the
+    pool's pages and dense copies holding their values (the oracle's and the budget's K/V)."""
+    kb, vb = naive.bf16_bits(pool.k_pages), naive.bf16_bits(pool.v_pages)
+    pool.k_pages, pool.v_pages = naive.bf16_values(kb), naive.bf16_values(vb)
+    pool.dense_k = [naive.bf16_values(naive.bf16_bits(k)).astype(np.float64) for k in pool.dense_k]
+    pool.dense_v = [naive.bf16_values(naive.bf16_bits(v)).astype(np.float64) for v in pool.dense_v]
+    return kb, vb
+
+
+@pytest.mark.parametrize("head_dim", [33, 128])
+def test_score_magnitudes_bfloat16(head_dim, reduced_grid):
+    """bfloat16 pages (storage="bfloat16") under the grid of `test_score_magnitudes`: q and K scaled by 10, the
+    tiled kernel within `naive.budget` of the float64 oracle on the bfloat16 values."""
+    if reduced_grid and head_dim != 33:
+        pytest.skip("full grid only")
+    T, start = (6, 5) if reduced_grid else (40, 77)
+    for P, group, seed in itertools.product((1, 3, 16) if reduced_grid else (1, 3, 16, 64),
+                                            (1, 8) if reduced_grid else (1, 4, 8, 32),
+                                            (0,) if reduced_grid else (0, 1)):
+        rng = np.random.default_rng(head_dim * 1000 + P * 10 + group + 7919 * seed + 23)
+        pool = Pool(rng, dtype=F32, num_kv_heads=1 if group == 32 else 2, group=group, head_dim=head_dim,
+                    page_size=P, lengths=(T, start + T), runs=((0, 0, T), (1, start, T)), scale_k=10.0)
+        pool.q *= 10
+        kb, vb = _as_bfloat16(pool)
+        for mode, split in MODES:
+            out = np.empty((len(pool.q), pool.q.shape[1], vb.shape[3]), np.float32)
+            pool.check(attend_unchecked(pool.q, kb, vb, *pool.args()[3:], pool.scale, pool.window, out, mode=mode,
+                                        split_tokens=split, storage="bfloat16"))
+
+
 def test_deterministic(reduced_grid):
     pool = Pool(np.random.default_rng(14), dtype=F32, num_kv_heads=2, group=4, head_dim=3 if reduced_grid else 64,
                 page_size=4, lengths=(90,), runs=((0, 30, 60),))

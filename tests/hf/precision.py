@@ -12,7 +12,7 @@ import copy
 import torch
 from transformers import DynamicCache
 
-from .models import ARCHS, model_pair, paged_cache, prompts
+from .models import ARCHS, generate, model_pair, paged_cache, prompts
 
 
 class Float16KV(DynamicCache):
@@ -56,6 +56,45 @@ def bfloat16_runs(arch: str, steps: int = 12, storage=None, batch: int = 2, seed
     cache = paged_cache(paged, storage)
     ours = teacher_forced(paged, cache, ids, 8)
     return exact, plain, ours, cache, paged
+
+
+def bfloat16_generate(arch: str, new_tokens: int = 12, batch: int = 3, seed: int = 23):
+    """Greedy generate() of a bfloat16 model, twice: DynamicCache + "sdpa" (the reference) and PagedCache +
+    "pagedkv" (bfloat16 pages, the default), same weights and prompts. Returns (exact, plain, ours, ref, got,
+    cache, model): exact [steps, batch, vocab] the float64 copy of the bfloat16 weights teacher-forced on the
+    reference's tokens (its logits at each generated position), plain / ours the two runs' logits (float64)."""
+    ref32, paged32 = model_pair(arch, torch.float32)
+    ref_model, paged_model = copy.deepcopy(ref32).to(torch.bfloat16), copy.deepcopy(paged32).to(torch.bfloat16)
+    exact_model = copy.deepcopy(ref_model).to(torch.float64)
+    ids, mask = prompts(batch, 8, seed=seed)
+    kw = dict(max_new_tokens=new_tokens, do_sample=False)
+    ref = generate(ref_model, ids, mask, **kw)
+    cache = paged_cache(paged_model, None)
+    got = generate(paged_model, ids, mask, cache=cache, **kw)
+    exact = teacher_forced(exact_model, DynamicCache(config=exact_model.config), ref.sequences, 8)[:new_tokens]
+    plain = torch.stack(ref.logits).double()
+    ours = torch.stack(got.logits).double()
+    return exact, plain, ours, ref, got, cache, paged_model
+
+
+def generate_identity(exact, plain, ours, ref_tokens, our_tokens, prompt: int) -> dict:
+    """Token identity of two greedy generate() runs, row by row: at each step where both rows still hold the
+    same tokens, the choices must agree wherever the reference's top-2 margin exceeds 8x its own rounding error
+    there (max |plain - exact| over the vocabulary, as `token_identity`); a row is compared up to the first
+    step where the two choose differently (that step must be a near-tie; the sequences differ after it).
+    Counts: compared steps, decided (margin above the rounding), near-ties, flips at near-ties, and the
+    mismatches where decided (must be 0)."""
+    top2 = plain.topk(2, dim=-1).values
+    decided = (top2[..., 0] - top2[..., 1]) > 8 * (plain - exact).abs().amax(dim=-1)       # [steps, batch]
+    counts = dict(compared=0, decided=0, near_ties=0, flips_at_near_ties=0, mismatches_where_decided=0)
+    for row in range(plain.shape[1]):
+        for step in range(plain.shape[0]):
+            counts["compared"] += 1
+            counts["decided" if bool(decided[step, row]) else "near_ties"] += 1
+            if int(ref_tokens[row, prompt + step]) != int(our_tokens[row, prompt + step]):
+                counts["mismatches_where_decided" if bool(decided[step, row]) else "flips_at_near_ties"] += 1
+                break
+    return counts
 
 
 def bfloat16_model(arch: str, steps: int = 12) -> dict:

@@ -2,13 +2,15 @@
 default for a bfloat16 model) against DynamicCache + "sdpa" on the same bfloat16 model,
 teacher-forced so both see the same tokens. Greedy choices are identical wherever the reference's top-2 margin
 exceeds 8x its own bfloat16 rounding error (`precision.token_identity`); the counts are printed (run with -s)
-and reported in docs/transformers.md."""
+and reported in docs/transformers.md. The same through generate() itself (greedy, both caches generating their
+own tokens): identical tokens at every decided step up to the first near-tie where the runs part.
+"""
 import pytest
 
 from decode.hf.page_dtype import bfloat16_pages
 
 from .models import ARCHS
-from .precision import bfloat16_runs, token_identity
+from .precision import bfloat16_generate, bfloat16_runs, generate_identity, token_identity
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_model_token_identity(arch):
@@ -23,3 +25,17 @@ def test_bfloat16_model_token_identity(arch):
           f"plain {r['plain_error']:.2e} / paged {r['paged_error']:.2e}")
     assert r["identical_where_decided"] == r["decided"] > 0
     assert r["paged_error"] <= 3 * r["plain_error"] + 1e-6
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_generate_token_identity(arch):
+    """generate() on a bfloat16 model, PagedCache (bfloat16 pages) against DynamicCache + "sdpa": token by token
+    identical wherever the reference's top-2 margin exceeds 8x its bfloat16 rounding (`generate_identity`)."""
+    exact, plain, ours, ref, got, cache, model = bfloat16_generate(arch)
+    assert cache.pool.config.storage == ("bfloat16" if bfloat16_pages() else "float32")
+    assert cache.stats["kernel_calls"] == cache.stats["forwards"] * model.config.num_hidden_layers > 0
+    r = generate_identity(exact, plain, ours, ref.sequences, got.sequences, prompt=8)
+    print(f"\n{arch} generate, {cache.pool.config.storage} pages: {r['compared']} steps compared, {r['decided']} "
+          f"decided, {r['near_ties']} near-ties ({r['flips_at_near_ties']} flipped), "
+          f"{r['mismatches_where_decided']} mismatches where decided")
+    assert r["mismatches_where_decided"] == 0 and r["decided"] > 0
