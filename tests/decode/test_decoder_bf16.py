@@ -10,6 +10,8 @@ from kvcache import CacheFullError, KVCache, bf16
 from kvcache.faults import no_fault
 from kvcache.testing import FaultInjector, InjectedFault
 
+pytestmark = pytest.mark.kernel          # jitted paths: rerun JIT-free and bounds-checked by CI
+
 DTYPES = ["float16", "bfloat16"]
 
 

@@ -174,17 +174,13 @@ def test_scales_refused_for_float_pages_and_int8_v_needs_int8_k():
     scene.check(out)
 
 
-_INT8_MISSES = pytest.mark.xfail(strict=True, reason="int8 at |q.k| ~ 3000 (head_dim 128, magnitude 10): the int8 "
-                                 "dot blocks round ~4-6 times per lane (a scale FMA per group of 32), 1.2-1.3x over "
-                                 "the budget at group 4; not claimed (docs/int8.md)")
-
-
-@pytest.mark.parametrize("head_dim,magnitude", [pytest.param(d, m, marks=_INT8_MISSES) if d == 128 and m == 10.0
-                                                else (d, m) for d in (3, 33, 64, 128, 129) for m in (1.0, 3.0, 10.0)])
+@pytest.mark.parametrize("head_dim,magnitude", [(d, m) for d in (3, 33, 64, 128, 129) for m in (1.0, 3.0, 10.0)])
 def test_score_magnitudes(head_dim, magnitude, reduced_grid):
     """int8 pages under the magnitude grid of the float formats (q and K scaled up: |q.k| up to ~1000 at
     head_dim 128, the softmax nearly one-hot): within the float32 budget (`naive.budget`) of the float64 oracle
-    on the dequantized K/V, per-query kernel serial, parallel and split, and the tiled kernel (a run)."""
+    on the dequantized K/V, per-query kernel serial, parallel and split, and the tiled kernel (a run). At head_dim
+    128, magnitude 10 the tiled kernel's score GEMM as one FMA chain over head_dim was 1.23x / 1.31x over (page 1
+    / 64, group 4); summed in chunks of 32 (`gemm.KCHUNK`) it passes."""
     if reduced_grid and (head_dim, magnitude) not in ((3, 10.0), (33, 10.0), (64, 1.0)):
         pytest.skip("full grid only")
     pages = (1, 16) if reduced_grid else (1, 3, 16, 64)

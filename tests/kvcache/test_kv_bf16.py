@@ -119,6 +119,7 @@ def test_matches_torch_bit_for_bit():
     assert (bf16.to_bits(h)[ok] == ref16[ok]).all()
 
 
+@pytest.mark.kernel                 # rerun JIT-free and bounds-checked by CI
 def test_jitted_stores_equal_the_rule():
     u = all_classes(seed=4)
     u = u[(u & 0x7f800000) != 0x7f800000][: 3000 * 16].reshape(3000, 2, 8)          # [B, H, D] float32 bits
@@ -147,6 +148,7 @@ def rows(rng, shape, dtype):
     return (rng.standard_normal(shape) * np.exp(rng.uniform(-spread, spread, shape))).astype(dtype)
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("input_dtype", [np.float32, np.float64, np.float16])
 def test_every_append_path_stores_the_rules_bits(input_dtype):
     rng = np.random.default_rng(5)
