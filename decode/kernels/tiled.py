@@ -6,9 +6,9 @@ lo(t)..p0+t, lo = 0 or max(0, p0+t-window+1)). A *tile* is up to `tokens` consec
 query heads of one kv head h: rows r = t*G + g (token-major). Per tile, keys are taken `block` at a time:
 
     Kb [nb, D] <- the block's K rows (widened by the format's loader, `loaders.block_rows`), ST [nb, R] = Kb @ QT
-    (QT [D, R]: the tile's queries, transposed once per tile; accumulated in float32, or in float64 for
-    precision="highest": every product exact, each score rounded once into ST; the scale is applied to the dot
-    products), the online softmax runs down ST's columns (one per row: the max, exp and sum vectorise over
+    (QT [D, R]: the tile's queries, transposed once per tile; accumulated in float32 in chunks of 32 steps of
+    head_dim (`gemm.KCHUNK`), or in float64 for precision="highest": every product exact, each score rounded once
+    into ST; the scale is applied to the dot products), the online softmax runs down ST's columns (one per row: the max, exp and sum vectorise over
     rows), O [R, Dv] += P @ Vb with P read as ST transposed.
 
 Both products go through `gemm.gemm4` (4 x up to 64 register blocks). Only blocks that cross the causal diagonal
