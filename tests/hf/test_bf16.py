@@ -7,17 +7,14 @@ own tokens): identical tokens at every decided step up to the first near-tie whe
 """
 import pytest
 
-from decode.hf.page_dtype import bfloat16_pages
-
 from .models import ARCHS
 from .precision import bfloat16_generate, bfloat16_runs, generate_identity, token_identity
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_model_token_identity(arch):
-    """The default storage of a bfloat16 model: bfloat16 pages (float32 in a build whose kernels cannot read
-    bfloat16)."""
+    """The default storage of a bfloat16 model: bfloat16 pages."""
     exact, plain, ours, cache, model = bfloat16_runs(arch, steps=12, storage=None, batch=3)
-    assert cache.pool.config.storage == ("bfloat16" if bfloat16_pages() else "float32")
+    assert cache.pool.config.storage == "bfloat16"
     assert cache.stats["kernel_calls"] == cache.stats["forwards"] * model.config.num_hidden_layers
     r = token_identity(exact, plain, ours)
     print(f"\n{arch} {cache.pool.config.storage} pages: identical where decided {r['identical_where_decided']}/"
