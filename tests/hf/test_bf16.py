@@ -29,7 +29,7 @@ def test_bfloat16_generate_token_identity(arch):
     """generate() on a bfloat16 model, PagedCache (bfloat16 pages) against DynamicCache + "sdpa": token by token
     identical wherever the reference's top-2 margin exceeds 8x its bfloat16 rounding (`generate_identity`)."""
     exact, plain, ours, ref, got, cache, model = bfloat16_generate(arch)
-    assert cache.pool.config.storage == ("bfloat16" if bfloat16_pages() else "float32")
+    assert cache.pool.config.storage == "bfloat16"
     assert cache.stats["kernel_calls"] == cache.stats["forwards"] * model.config.num_hidden_layers > 0
     r = generate_identity(exact, plain, ours, ref.sequences, got.sequences, prompt=8)
     print(f"\n{arch} generate, {cache.pool.config.storage} pages: {r['compared']} steps compared, {r['decided']} "
