@@ -256,10 +256,10 @@ class LayerPools:
         config = cache.config
         self.storage = BFLOAT16 if getattr(config, "storage", None) == BFLOAT16 else config.dtype
         layers = range(config.num_layers)
-        self.k_run = [kernel_view(cache.k_pages(layer), self.storage) for layer in layers]
-        self.v_run = [kernel_view(cache.v_pages(layer), self.storage) for layer in layers]
-        self.k_scales = [kernel_view(cache.k_scales(layer)) for layer in layers]
-        self.v_scales = [kernel_view(cache.v_scales(layer)) for layer in layers]
+        self.k_run = [kernel_view(cache.pool.k_pages(layer), self.storage) for layer in layers]
+        self.v_run = [kernel_view(cache.pool.v_pages(layer), self.storage) for layer in layers]
+        self.k_scales = [kernel_view(cache.pool.k_scales(layer)) for layer in layers]
+        self.v_scales = [kernel_view(cache.pool.v_scales(layer)) for layer in layers]
         self.int8 = self.k_scales[0] is not None
         self.compute = compute_dtype(self.storage)
         self.v_shape = self.v_run[0].shape
@@ -324,7 +324,7 @@ def raise_released(cache, seq: int, first: int, position: int):
     """Raise: the query at ``position`` would read positions ``first ..`` of which some were given back by
     `KVCache.release_before` (a -1 in the page table; the unchecked kernel would index the pool with it)."""
     raise ValueError(f"seq: expected K/V held for positions {first}..{position} (read by the query at position "
-                     f"{position}), got positions < {cache.first_position(seq)} released (KVCache.release_before)")
+                     f"{position}), got positions < {cache.pool.first_position(seq)} released (KVCache.release_before)")
 
 
 def attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out, *,

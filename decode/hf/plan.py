@@ -106,11 +106,12 @@ class ForwardPlan:
         threads = numba.get_num_threads()
         if self.kernel_threads is not None and self.num_queries < PARALLEL_QUERIES:
             numba.set_num_threads(min(self.kernel_threads, numba.config.NUMBA_NUM_THREADS))
+        pool = self.pool.pool                     # the KVCache's page arrays (`kvcache.pool_view.PoolView`)
         try:
-            out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
+            out = paged_decode_attention(q, pool.k_pages(layer), pool.v_pages(layer), self.page_indices,
                                          self.page_indptr, self.query_seq, self.query_pos, scale=scale,
-                                         window=window, k_scales=self.pool.k_scales(layer),
-                                         v_scales=self.pool.v_scales(layer), **_storage_kwargs(cfg))  # [Q, Hq, Dv]
+                                         window=window, k_scales=pool.k_scales(layer),
+                                         v_scales=pool.v_scales(layer), **_storage_kwargs(cfg))  # [Q, Hq, Dv]
         finally:
             numba.set_num_threads(threads)
         result = torch.from_numpy(out).to(query.dtype)
