@@ -24,7 +24,8 @@ while another thread truncates or frees that same sequence.
 
 Modules: the state and shared page bookkeeping (`kvcache.core`), appends (the cache side: `kvcache.appender`;
 the transaction protocol and its three shapes: `kvcache.transaction`), truncate / fork / free / release / prefix reuse
-(`kvcache.lifecycle`), invariants and fingerprints (`kvcache.integrity`), snapshot state (`kvcache.snapshot_state`).
+(`kvcache.lifecycle`), invariants and fingerprints (`kvcache.integrity`), snapshot state (`kvcache.snapshot_state`),
+the page-level view ``cache.pool`` (`kvcache.pool_view`), the argument checks (`kvcache.checks`).
 """
 import os
 from typing import NamedTuple
