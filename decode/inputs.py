@@ -272,9 +272,9 @@ def check_decoders(decoders, decoder_type: type) -> list:
     for d in decoders[1:]:
         if d.cache is not first.cache:
             raise ValueError("decoders: expected decoders sharing one cache (Decoder.on_cache), got several caches")
-        if (d.num_q_heads, d.scale, d.window) != (first.num_q_heads, first.scale, first.window):
-            raise ValueError(f"decoders: expected one num_q_heads/scale/window, got "
-                             f"{(first.num_q_heads, first.scale, first.window)} and {(d.num_q_heads, d.scale, d.window)}")
+        mine, theirs = (d.num_q_heads, d.scale, d.window), (first.num_q_heads, first.scale, first.window)
+        if mine != theirs:
+            raise ValueError(f"decoders: expected one num_q_heads/scale/window, got {theirs} and {mine}")
     seqs = [d.seq for d in decoders]
     if len(set(seqs)) != len(seqs):
         raise ValueError(f"decoders: expected distinct sequences, got sequence ids {seqs}")

@@ -34,8 +34,8 @@ import numpy as np
 
 from . import integrity, lifecycle, snapshot, snapshot_state
 from .appender import Appender
-from .checks import (check_cache_options, check_counts, check_ids_among, check_instance, check_int, check_namespace, check_one_token_id, check_seq_list,
-                     check_token_id_each, check_token_ids, check_token_ids_of)
+from .checks import (check_cache_options, check_counts, check_ids_among, check_instance, check_int, check_namespace,
+                     check_one_token_id, check_seq_list, check_token_id_each, check_token_ids, check_token_ids_of)
 from .config import CacheConfig
 from .core import CacheCore
 from .group import OpGroup

@@ -12,6 +12,9 @@ from typing import Callable
 
 import numpy as np
 
+from . import bf16, quant
+from .errors import ScaleOverflowError
+
 STORAGE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int8))
 BFLOAT16 = "bfloat16"              # no numpy dtype: the pool holds uint16 bits (`kvcache.bf16`)
 STORAGE_NAMES = tuple(d.name for d in STORAGE_DTYPES) + (BFLOAT16,)
@@ -104,6 +107,44 @@ def cast_to_storage(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray
         index, _ = first_nonfinite(cast)
         raise_not_storable(name, array[index], index, dtype, np.finfo(dtype).max)
     return cast
+
+
+def check_storable(cfg, name: str, x: np.ndarray) -> np.ndarray:
+    """A float array ``x`` validated for the storage of a pool of layout ``cfg``: cast to the storage dtype
+    (finite after the cast; bfloat16: its uint16 bits, `check_bf16_storable`), or for int8 checked finite and
+    within `kvcache.quant.MAX_ABS` (`check_quantizable`) and returned as given (the write quantizes)."""
+    if cfg.quantized:
+        check_quantizable(name, x)
+        return x
+    if cfg.bfloat16:
+        return check_bf16_storable(name, x)
+    return cast_to_storage(name, x, cfg.dtype)
+
+
+def check_quantizable(name: str, x: np.ndarray) -> None:
+    """ValueError unless every element of ``x`` is finite; `ScaleOverflowError` (a ValueError) naming the first
+    element with ``|x| > kvcache.quant.MAX_ABS`` (its group's float16 scale would overflow)."""
+    limit = quant.MAX_ABS if float(np.finfo(x.dtype).max) > quant.MAX_ABS else np.inf   # float16 input: never
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.abs(x) <= limit)                                     # NaN too
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        value = x[index]
+        if not np.isfinite(value):
+            raise ValueError(f"{name}: expected finite values, got {value} at index {index}")
+        raise ScaleOverflowError(
+            f"{name}: expected |x| <= {quant.MAX_ABS:.0f} in int8 storage (a float16 scale per {quant.GROUP_SIZE} "
+            f"values holds max|x| / {quant.QMAX} <= 65504), got {value} at index {index}")
+
+
+def check_bf16_storable(name: str, x: np.ndarray) -> np.ndarray:
+    """The bfloat16 bits of the float array ``x``; ValueError naming ``name``, the element and its value for a
+    non-finite input or a finite one that rounds to inf in bfloat16 (``|x| >= bf16.OVERFLOW`` after float32)."""
+    bits, bad = bf16.round_bits(x)
+    if bad >= 0:                                                # inf or NaN after the rounding
+        index = tuple(int(i) for i in np.unravel_index(bad, bits.shape))
+        raise_not_storable(name, x[index], index, "bfloat16", f"{bf16.MAX:.8g}")
+    return bits
 
 
 def raise_not_storable(name: str, original, index: tuple, storage, limit) -> None:
