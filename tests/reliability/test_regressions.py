@@ -328,9 +328,10 @@ def test_wrapper_rejects_q_not_finite_in_the_compute_dtype(value):
 
 
 # -- 10. KVCache.transaction with an unhashable sequence id -------------------------------------------------------
-@pytest.mark.parametrize("num_tokens", [[0, 1], np.array([0]), {0, 1}])
+@pytest.mark.parametrize("num_tokens", [[[0, 1]], np.array([0]), {0, 1}])
 def test_transaction_with_an_unhashable_id_names_seq(num_tokens):
-    """`transaction([0, 1])` made the list a dict key: "TypeError: unhashable type: 'list'", no argument named."""
+    """`transaction([0, 1])` made the list a dict key: "TypeError: unhashable type: 'list'", no argument named.
+    (A list is now the one-token-each shape; a list inside it is the unhashable id.)"""
     cache = KVCache(num_kv_heads=1, head_dim=2, page_size=2, num_pages=4)
     cache.create_sequence()
     before = cache.fingerprint()
