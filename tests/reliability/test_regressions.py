@@ -137,7 +137,7 @@ def test_window_reading_released_positions_is_rejected_and_inside_the_window_sti
         c.step(*_token(rng, c))
 
 
-# -- 5. KVCache.begin_token: writes and commits after the token write ended --------------------------------------
+# -- 5. KVCache.transaction(seq) (was begin_token): writes and commits after the token write ended --------------------------------------
 def _one_token(cache, rng):
     cfg = cache.config
     return rng.standard_normal((cfg.num_kv_heads, cfg.head_dim)), rng.standard_normal((cfg.num_kv_heads, cfg.head_dim_v))
