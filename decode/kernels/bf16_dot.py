@@ -228,7 +228,7 @@ def dot14_bf(qb, g, parts, kp, t, n, last):
 if JIT:
     from numba.core import cgutils as _cg
 
-    from .simd import reduce_many_ir
+    from .simd import bf16_pairs_ir, reduce_many_ir
 
     _I16 = _ir.IntType(16)
     _I32 = _ir.IntType(32)
@@ -262,12 +262,9 @@ if JIT:
         """acc[i] += q[2i+1] * k[2i+1], then += q[2i] * k[2i]: element 2i of a pair is the low half of 32-bit lane
         i (shifted up: a float32), element 2i+1 its high half (masked)."""
         fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_F16X, [_F16X] * 3), "llvm.fma.v16f32")
-        sh = _ir.Constant(_I32X, [16] * 16)
-        hm = _ir.Constant(_I32X, [0xFFFF0000 - (1 << 32)] * 16)
 
         def halves(x):
-            w = builder.bitcast(x, _I32X)
-            return builder.bitcast(builder.shl(w, sh), _F16X), builder.bitcast(builder.and_(w, hm), _F16X)
+            return bf16_pairs_ir(builder, builder.bitcast(x, _I32X))
 
         def dp(acc, q, k):
             qe, qo = halves(q)
@@ -283,7 +280,8 @@ if JIT:
 
             def codegen(context, builder, sig, args):
                 qty, _, _, kty = sig.args[:4]
-                g_, p_, t_, n_, last_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4, 5, 6))
+                g_, p_, t_, n_, last_ = (context.cast(builder, args[i], sig.args[i], types.int64)
+                                         for i in (1, 2, 4, 5, 6))
                 qary = context.make_array(qty)(context, builder, args[0])
                 qcols = _cg.unpack_tuple(builder, qary.shape, 2)[1]
                 dp_ = builder.sdiv(qcols, _ir.Constant(_I64, PARTS))

@@ -76,11 +76,11 @@ def attend_pages(qs, qb, parts, k_pages, v_pages, k_scales, v_scales, pages, lo,
     """Unnormalised attention of every query-head group over the keys at absolute positions [lo, hi) of one
     sequence (`pages`: its row of the page table).
 
-    qs [num_kv_heads, G, head_dim] (the query, accumulation dtype), qb / parts its bfloat16 parts (`walk_block`), scale: score scale, S [num_kv_heads, G,
-    block] scratch; leaves the running (unscaled) max m [num_kv_heads, G], running sum l [num_kv_heads, G] and
-    unnormalised output acc [num_kv_heads, G, head_dim_v]. Keys are taken `block` at a time (a multiple of
-    page_size, aligned to absolute positions): the scores of the block (`walk_block` over K), the softmax update
-    per head, then the values (`walk_block` over V)."""
+    qs [num_kv_heads, G, head_dim] (the query, accumulation dtype), qb / parts its bfloat16 parts (`walk_block`),
+    scale: score scale, S [num_kv_heads, G, block] scratch; leaves the running (unscaled) max m [num_kv_heads, G],
+    running sum l [num_kv_heads, G] and unnormalised output acc [num_kv_heads, G, head_dim_v]. Keys are taken
+    `block` at a time (a multiple of page_size, aligned to absolute positions): the scores of the block
+    (`walk_block` over K), the softmax update per head, then the values (`walk_block` over V)."""
     P = k_pages.shape[2]
     H = k_pages.shape[1]
     RC = 16 if qs.shape[1] >= 8 else min(16, max(4, 4096 // (k_pages.shape[3] * k_pages.itemsize)))
