@@ -7,20 +7,25 @@ A bfloat16 model's q has zero low halves: one part. A product of two bfloat16 is
 only roundings are its float32 additions, as on the widen-and-FMA path (`simd.dot44`). vdpbf16ps reads bfloat16
 subnormals as zero and flushes subnormal float32 sums to zero (|x| < 2**-126, far below the 1e-6 budget).
 
-Which queries use it (`mode`, a run-time argument of the per-query kernel, set by the plan from `plan_mode`; a
-run-time value, so one compiled kernel serves every mode and numba's cache never holds a stale choice):
-    0  never: every score by `simd.dot44` / `dot14` (the shift-and-FMA path; the only one without avx512bf16)
-    1  queries whose q is exactly bfloat16 (one part); the others as mode 0
-    2  every query (2 or 3 parts where q is not bfloat16)
-A part that is zero adds exact zeros, so a query gets the same bits in mode 1 and 2 whenever it is bfloat16.
+How a query's scores are computed (`mode`, a run-time argument of the per-query kernel, set by the plan from
+`plan_mode`; a run-time value, so one compiled kernel serves every mode and numba's cache never holds a stale
+choice):
+    0  `simd.dot44` / `dot14` on q itself (key rows widened by zero-extension and a shift)
+    1  vdpbf16ps where q is exactly bfloat16 (one part); otherwise two FMAs per pair of lanes over q's float32
+       (even, odd) halves, the key rows widened by a shift and a mask (no shuffle)
+    2  vdpbf16ps for every query (2 or 3 parts where q is not bfloat16)
+    3  the float32 halves for every query (no vdpbf16ps)
+A part that is zero adds exact zeros, so a bfloat16 q gets the same bits in modes 1 and 2.
 
-    split_query(qi, qb, mode) -> parts      q [Hq, D] float32 -> qb [Hq, 3 * Dp] int16 parts (Dp = D rounded up to
-                                            32, zero padded); 0 = use the shift path
-    qk_bf(qb, parts, kp, s0, s1, S, c0)     S[g, c0 + t - s0] = q[g] . kp[t], like `blocks.qk`
+    split_query(qi, qb, qf, mode) -> parts  one query q [Hq, D] float32 -> qb [H, G, 3 * Dp] int16 parts (Dp = D
+                                            rounded up to 32, zero padded; parts 1-3) or qf [H, G, Dp] float32
+                                            halves (parts -1); 0: mode 0 / not bfloat16 pages
+    qk_bf(qb, parts, kp, s0, s1, S, c0)     S[g, c0 + t - s0] = q[g] . kp[t], like `blocks.qk` (qb int16 parts, or
+                                            qf float32 halves with parts 1)
     dot44_bf / dot14_bf                     the register blocks (4 heads x 4 keys, 1 x 4), LLVM IR; NumPy twins
 
 Without avx512bf16 (`HOST` False) the IR blocks compute the same sums with a 16-bit shift / mask and two FMAs
-per pair of lanes (`native=False`); the plan keeps such machines on mode 0.
+per pair of lanes (`native=False`, bit for bit the instruction's sums); the plan keeps such machines on mode 0.
 """
 import os
 
@@ -54,8 +59,8 @@ HOST = _host_has_bf16()
 
 def _env_mode() -> int:
     raw = os.environ.get(MODE_ENV, "")
-    if raw not in ("", "0", "1", "2"):
-        raise ValueError(f"{MODE_ENV}: expected 0, 1 or 2, got {raw!r}")
+    if raw not in ("", "0", "1", "2", "3"):
+        raise ValueError(f"{MODE_ENV}: expected 0, 1, 2 or 3, got {raw!r}")
     return int(raw) if raw else DEFAULT_MODE
 
 
@@ -113,24 +118,48 @@ def _exact_body(qu):
     return low == 0
 
 
-def split_query(qi, qb, mode):
-    """qi [Hq, D] float32 (one query), qb [H, G, 3 * Dp] int16 (H * G = Hq; empty: pages not bfloat16 or q.k not
-    in float32). Returns the parts to use (1-3), after writing them to qb, or 0 for the shift-and-FMA path."""
+def split_query(qi, qb, qf, mode):
+    """Prepare one query qi [Hq, D] float32 for the scores over bfloat16 pages; qb [H, G, 3 * Dp] int16, qf [H, G,
+    Dp] float32 (H * G = Hq; empty: pages not bfloat16 or q.k not in float32). Returns what the scores use:
+    1-3: that many bfloat16 parts in qb (vdpbf16ps); -1: q's float32 (even, odd) halves in qf (two FMAs per
+    pair); 0: neither (`simd.dot44` on q itself)."""
     if mode == 0 or qb.size == 0:
         return 0
     qu = qi.view(np.uint32)
-    if mode == 1 and not _exact(qu):
-        return 0
+    if mode == 3 or (mode == 1 and not _exact(qu)):
+        _pairs(qi, qf.reshape((qi.shape[0], qf.shape[2])))
+        return -1
     return _split(qi, qu, qb.reshape((qi.shape[0], qb.shape[2])), qb.shape[2] // PARTS)
 
 
-def q_buffer(k_pages, qs):
-    """The parts buffer of `split_query` for qs [H, G, D]: int16 [H, G, 3 * Dp] for bfloat16 pages (int16 bits)
-    and float32 q.k, else [0, 0, 0]."""
+def q_buffers(k_pages, qs):
+    """The buffers of `split_query` for qs [H, G, D]: (int16 [H, G, 3 * Dp], float32 [H, G, Dp]) for bfloat16
+    pages (int16 bits) and float32 q.k, else empty ones."""
     H, G, D = qs.shape
     if k_pages.dtype == np.int16 and qs.dtype == np.float32:
-        return np.zeros((H, G, PARTS * padded(D)), np.int16)
-    return np.zeros((0, 0, 0), np.int16)
+        return np.zeros((H, G, PARTS * padded(D)), np.int16), np.zeros((H, G, padded(D)), np.float32)
+    return np.zeros((0, 0, 0), np.int16), np.zeros((0, 0, 0), np.float32)
+
+
+def _pairs_body(qi, qf):
+    """qf[r, i + j] = qi[r, i + 2j], qf[r, i + 16 + j] = qi[r, i + 2j + 1] for each block of 32 at i (j < 16), zero
+    beyond D: the order `_dp_pairs` reads."""
+    R, D = qi.shape
+    for r in range(R):
+        src, dst = qi[r], qf[r]
+        for d in range(D):
+            i = d - d % LANES
+            j = d % LANES
+            dst[i + j // 2 + (LANES // 2) * (j % 2)] = src[d]
+
+
+def _unpair(row):
+    """The inverse of `_pairs_body` on one padded row (NumPy)."""
+    out = np.empty_like(row)
+    for i in range(0, len(row), LANES):
+        out[i:i + LANES:2] = row[i:i + LANES // 2]
+        out[i + 1:i + LANES:2] = row[i + LANES // 2:i + LANES]
+    return out
 
 
 def _f2u(x):
@@ -172,21 +201,23 @@ if JIT:
     _high = njit(inline="always")(_high)
     _split = njit(cache=True)(_split_body)          # no fastmath: q - hi must be the exact difference
     _exact = njit(cache=True)(_exact_body)
+    _pairs = njit(cache=True)(_pairs_body)
 
     @overload(split_query)
-    def _split_query_ov(qi, qb, mode):
+    def _split_query_ov(qi, qb, qf, mode):
         return split_query          # its body compiles as is (it calls only jitted helpers)
 
-    @overload(q_buffer)
-    def _q_buffer_ov(k_pages, qs):
+    @overload(q_buffers)
+    def _q_buffers_ov(k_pages, qs):
         if k_pages.dtype == types.int16 and qs.dtype == types.float32:
             def impl(k_pages, qs):
                 H, G, D = qs.shape
-                return np.zeros((H, G, PARTS * (-(-D // LANES) * LANES)), np.int16)
+                Dp = -(-D // LANES) * LANES
+                return np.zeros((H, G, PARTS * Dp), np.int16), np.zeros((H, G, Dp), np.float32)
             return impl
-        return lambda k_pages, qs: np.zeros((0, 0, 0), np.int16)
+        return lambda k_pages, qs: (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0, 0), np.float32))
 else:
-    _split, _exact = _split_body, _exact_body
+    _split, _exact, _pairs = _split_body, _exact_body, _pairs_body
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -198,17 +229,27 @@ def _widen(bits):
 
 
 def _dot_bf(qrow, parts, krow, n):
-    Dp = qrow.shape[0] // PARTS
     m = -(-n // LANES) * LANES
     k = np.zeros(m, np.float32)
     k[:n] = _widen(krow[:n])
     acc = np.zeros(16, np.float32)
+    if qrow.dtype == np.float32:                    # float32 halves: each step an FMA (one rounding)
+        prod = _unpair(qrow)[:m].astype(np.float64) * k
+        for i in range(0, m, LANES):
+            acc = (acc + prod[i + 1:i + LANES:2]).astype(np.float32)
+            acc = (acc + prod[i:i + LANES:2]).astype(np.float32)
+        return _butterfly(acc)
+    Dp = qrow.shape[0] // PARTS
     for p in range(parts):
         q = np.zeros(m, np.float32)
         q[:n] = _widen(qrow[p * Dp:p * Dp + n])
         prod = q * k                                # exact: 8 x 8 significand bits
         for i in range(0, m, LANES):
             acc = (acc + prod[i + 1:i + LANES:2]) + prod[i:i + LANES:2]
+    return _butterfly(acc)
+
+
+def _butterfly(acc):
     while len(acc) > 1:
         acc = acc[: len(acc) // 2] + acc[len(acc) // 2:]
     return np.float32(acc[0])
@@ -216,7 +257,7 @@ def _dot_bf(qrow, parts, krow, n):
 
 def dot44_bf(qb, g, parts, kp, t, n, last):
     """16 scores q[g + a] . kp[min(t + b, last), :n] (a, b < 4), a-major: qb [G, 3 * Dp] int16 parts (the first
-    ``parts`` used), kp [page_size, D] int16 bfloat16 bits."""
+    ``parts`` used) or [G, Dp] float32 (even, odd) halves (parts 1), kp [page_size, D] int16 bfloat16 bits."""
     return tuple(_dot_bf(qb[g + a], parts, kp[min(t + b, last)], n) for a in range(4) for b in range(4))
 
 
@@ -258,25 +299,29 @@ if JIT:
                                         "llvm.x86.avx512bf16.dpbf16ps.512")
         return lambda acc, q, k: builder.call(fn, [acc, builder.bitcast(q, _BF16X), builder.bitcast(k, _BF16X)])
 
-    def _dp_emulated(builder):
-        """acc[i] += q[2i+1] * k[2i+1], then += q[2i] * k[2i]: element 2i of a pair is the low half of 32-bit lane
-        i (shifted up: a float32), element 2i+1 its high half (masked)."""
+    def _dp_pairs(builder):
+        """acc[i] += q[2i+1] * k[2i+1], then += q[2i] * k[2i], by two FMAs: q as its (even, odd) float32 halves,
+        k as 32 bfloat16 (element 2i is the low half of 32-bit lane i: shifted up, a float32; element 2i+1 its high
+        half, masked)."""
         fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_F16X, [_F16X] * 3), "llvm.fma.v16f32")
 
-        def halves(x):
-            return bf16_pairs_ir(builder, builder.bitcast(x, _I32X))
-
         def dp(acc, q, k):
-            qe, qo = halves(q)
-            ke, ko = halves(k)
+            qe, qo = q
+            ke, ko = bf16_pairs_ir(builder, builder.bitcast(k, _I32X))
             return builder.call(fma, [qe, ke, builder.call(fma, [qo, ko, acc])])
         return dp
+
+    def _dp_emulated(builder):
+        """vdpbf16ps by `_dp_pairs` (both operands bfloat16)."""
+        pairs = _dp_pairs(builder)
+        return lambda acc, q, k: pairs(acc, bf16_pairs_ir(builder, builder.bitcast(q, _I32X)), k)
 
     def _make_dot_bf(ng, nt, native):
         def typer(typingctx, qb, g, parts, kp, t, n, last):
             if not (isinstance(qb, types.Array) and isinstance(kp, types.Array) and qb.ndim == 2 and kp.ndim == 2
-                    and qb.dtype == types.int16 and kp.dtype == types.int16):
+                    and qb.dtype in (types.int16, types.float32) and kp.dtype == types.int16):
                 return None
+            f32q = qb.dtype == types.float32        # q as float32 (even, odd) halves (`split_query`, parts -1)
 
             def codegen(context, builder, sig, args):
                 qty, _, _, kty = sig.args[:4]
@@ -284,7 +329,7 @@ if JIT:
                                          for i in (1, 2, 4, 5, 6))
                 qary = context.make_array(qty)(context, builder, args[0])
                 qcols = _cg.unpack_tuple(builder, qary.shape, 2)[1]
-                dp_ = builder.sdiv(qcols, _ir.Constant(_I64, PARTS))
+                dp_ = qcols if f32q else builder.sdiv(qcols, _ir.Constant(_I64, PARTS))
                 qrows = [builder.gep(qary.data, [builder.mul(builder.add(g_, _ir.Constant(_I64, a)), qcols)])
                          for a in range(ng)]
                 kary = context.make_array(kty)(context, builder, args[3])
@@ -293,7 +338,7 @@ if JIT:
                 kidx = [builder.select(builder.icmp_signed(">", k, last_), last_, k) for k in kidx]
                 krows = [builder.gep(kary.data, [builder.mul(k, kcols)]) for k in kidx]
                 slots = [_cg.alloca_once_value(builder, _ir.Constant(_F16X, None)) for _ in range(ng * nt)]
-                dp = (_dp_native if native else _dp_emulated)(builder)
+                dp = (_dp_pairs if f32q else _dp_native if native else _dp_emulated)(builder)
                 rem = builder.srem(n_, _ir.Constant(_I64, LANES))
                 full = builder.sub(n_, rem)
                 lane_ids = _ir.Constant(_ir.VectorType(_I64, LANES), list(range(LANES)))
@@ -317,8 +362,14 @@ if JIT:
                     off = builder.mul(p, dp_)
                     qp = [builder.gep(r, [off]) for r in qrows]
 
+                    def qload(ptr):                                        # zero padded to whole vectors
+                        if not f32q:
+                            return plain(ptr)
+                        fp = builder.bitcast(ptr, _F16X.as_pointer())
+                        return builder.load(fp, align=4), builder.load(builder.gep(fp, [_ir.Constant(_I64, 1)]), align=4)
+
                     def step(i, kload):
-                        qv = [plain(builder.gep(r, [i])) for r in qp]      # zero padded to whole vectors
+                        qv = [qload(builder.gep(r, [i])) for r in qp]
                         kv = [kload(builder.gep(r, [i])) for r in krows]
                         for a in range(ng):
                             for b in range(nt):

@@ -12,7 +12,7 @@ uint16 [num_pages, num_kv_heads, page_size, ceil(width / 32)] (int8); acc0: a ze
 import numpy as np
 from numba import njit, prange
 
-from .bf16_dot import q_buffer, split_query
+from .bf16_dot import q_buffers, split_query
 from .blocks import load_heads, normalise, softmax_block, unit_range
 from .loaders import score_rows_parts, tile_scales, value_rows
 from .simd import FAST, prefetch_lines
@@ -35,12 +35,12 @@ def prefetch_ahead(run, nxt, R0, R1, A):
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
-def walk_block(values, qs, qb, parts, pool, nxt_pool, scales, pages, b0, b1, jn, S, acc, RC, A, st, rows):
+def walk_block(values, qs, qb, qf, parts, pool, nxt_pool, scales, pages, b0, b1, jn, S, acc, RC, A, st, rows):
     """One pass over the keys [b0, b1) of a block (whole pages), page-major and head-minor: scores into S
     (values False: ``S[h, :, c] = qs[h] . K[t]``) or the weighted values into acc (values True). Each tile is taken
     in chunks of RC rows; while a chunk is used, the rows A further along the walk are prefetched (the next run
     after the block's last page is page ``pages[jn]`` of ``nxt_pool``: K's pass is followed by the block's first V,
-    V's by the next block's first K). qb / parts: q's bfloat16 parts (`bf16_dot.split_query`; parts 0: not used).
+    V's by the next block's first K). qb / qf / parts: q prepared for bfloat16 pages (`bf16_dot.split_query`).
     st / rows: the loader's scratch (`loaders`). Inlined into its two call sites
     (numba IR), where ``values`` is a constant: each is a loop of one kind."""
     P = pool.shape[2]
@@ -63,7 +63,7 @@ def walk_block(values, qs, qb, parts, pool, nxt_pool, scales, pages, b0, b1, jn,
                 if values:
                     value_rows(S[h], c + r - s0, tile, st, scales, r, r1, acc[h], rows)
                 else:
-                    score_rows_parts(qs[h], qb[h], parts, tile, st, scales, r, r1, S[h], c + r - s0, rows)
+                    score_rows_parts(qs[h], qb[h], qf[h], parts, tile, st, scales, r, r1, S[h], c + r - s0, rows)
                 r = r1
         c += s1 - s0
         t += s1 - s0
@@ -71,12 +71,12 @@ def walk_block(values, qs, qb, parts, pool, nxt_pool, scales, pages, b0, b1, jn,
 
 
 @njit(cache=True, fastmath=FAST)
-def attend_pages(qs, qb, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale, block, ahead, S, m, l,
+def attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale, block, ahead, S, m, l,
                  acc, st, kt, vt):
     """Unnormalised attention of every query-head group over the keys at absolute positions [lo, hi) of one
     sequence (`pages`: its row of the page table).
 
-    qs [num_kv_heads, G, head_dim] (the query, accumulation dtype), qb / parts its bfloat16 parts (`walk_block`),
+    qs [num_kv_heads, G, head_dim] (the query, accumulation dtype), qb / qf / parts: q prepared for bfloat16 pages,
     scale: score scale, S [num_kv_heads, G, block] scratch; leaves the running (unscaled) max m [num_kv_heads, G],
     running sum l [num_kv_heads, G] and unnormalised output acc [num_kv_heads, G, head_dim_v]. Keys are taken
     `block` at a time (a multiple of page_size, aligned to absolute positions): the scores of the block
@@ -92,11 +92,11 @@ def attend_pages(qs, qb, parts, k_pages, v_pages, k_scales, v_scales, pages, lo,
         b1 = min(hi, (b0 // block + 1) * block)
         jb = b0 // P
         jn = b1 // P if b1 < hi else jb
-        c = walk_block(False, qs, qb, parts, k_pages, v_pages, k_scales, pages, b0, b1, jb, S, acc, RC, AK, st, kt)
+        c = walk_block(False, qs, qb, qf, parts, k_pages, v_pages, k_scales, pages, b0, b1, jb, S, acc, RC, AK, st, kt)
         for h in range(H):
             softmax_block(S[h], c, m[h], l[h], acc[h], first, scale)
         first = False
-        walk_block(True, qs, qb, parts, v_pages, k_pages, v_scales, pages, b0, b1, jn, S, acc, RC, AV, st, vt)
+        walk_block(True, qs, qb, qf, parts, v_pages, k_pages, v_scales, pages, b0, b1, jn, S, acc, RC, AV, st, vt)
         b0 = b1
 
 
@@ -118,7 +118,8 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     P = k_pages.shape[2]
     RC = 16
     qs = np.full((H, G, D), acc0)      # q.k accumulated in acc0's dtype
-    qb = q_buffer(k_pages, qs)         # q's bfloat16 parts (empty unless bfloat16 pages and float32 q.k)
+    qb, qf = q_buffers(k_pages, qs)    # q as bfloat16 parts / float32 halves (empty unless bfloat16 pages and
+                                       # float32 q.k)
     S = np.empty((H, G, block), q.dtype)
     m = np.empty((H, G), q.dtype)
     l = np.empty((H, G), q.dtype)
@@ -134,14 +135,14 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
         s = query_seq[i]
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         load_heads(q[i], qs)
-        parts = split_query(q[i], qb, dot)
+        parts = split_query(q[i], qb, qf, dot)
         if w < 0:
-            attend_pages(qs, qb, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead,
+            attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead,
                          S, m, l, acc, st, kt, vt)
             for h in range(H):
                 normalise(acc[h], l[h], out[i, h * G:(h + 1) * G])
         else:
-            attend_pages(qs, qb, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead,
+            attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead,
                          S, wm[w], wl[w], wacc[w], st, kt, vt)
 
 

@@ -49,11 +49,15 @@ def mode(monkeypatch):
 # ------------------------------------------------------------------------------------------------------------
 # the split
 # ------------------------------------------------------------------------------------------------------------
-def _split(q):
-    Hq, D = q.shape
-    qb = np.zeros((1, Hq, bf16_dot.PARTS * bf16_dot.padded(D)), np.int16)
-    parts = bf16_dot.split_query(np.ascontiguousarray(q, np.float32), qb, 2)
-    return parts, qb[0]
+def _buffers(Hq, D, H=1):
+    return (np.zeros((H, Hq // H, bf16_dot.PARTS * bf16_dot.padded(D)), np.int16),
+            np.zeros((H, Hq // H, bf16_dot.padded(D)), np.float32))
+
+
+def _split(q, mode=2):
+    qb, qf = _buffers(*q.shape)
+    parts = bf16_dot.split_query(np.ascontiguousarray(q, np.float32), qb, qf, mode)
+    return parts, (qf[0] if parts < 0 else qb[0])
 
 
 @pytest.mark.parametrize("D", [1, 31, 32, 33, 128])
@@ -78,15 +82,33 @@ def test_split_is_exact(D):
     assert _split(zeros)[0] == 1
 
 
-def test_mode_one_takes_only_bfloat16_queries():
+def test_modes_choose_per_query():
+    """Mode 1: vdpbf16ps parts only for a bfloat16 q, float32 halves otherwise; 2: parts always; 3: halves always;
+    0, or empty buffers (pages not bfloat16): neither."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((4, 40)).astype(np.float32)
-    qb = np.zeros((2, 2, bf16_dot.PARTS * bf16_dot.padded(40)), np.int16)
-    assert bf16_dot.split_query(q, qb, 0) == 0
-    assert bf16_dot.split_query(q, qb, 1) == 0
-    assert bf16_dot.split_query(as_bf16(q), qb, 1) == 1
-    assert bf16_dot.split_query(q, qb, 2) == 3
-    assert bf16_dot.split_query(q, np.zeros((0, 0, 0), np.int16), 2) == 0   # not bfloat16 pages
+    qb, qf = _buffers(4, 40, H=2)
+    expect = {0: (0, 0), 1: (-1, 1), 2: (3, 1), 3: (-1, -1)}
+    for mode, (plain, exact) in expect.items():
+        assert bf16_dot.split_query(q, qb, qf, mode) == plain
+        assert bf16_dot.split_query(as_bf16(q), qb, qf, mode) == exact
+    empty = (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0, 0), np.float32))
+    assert bf16_dot.split_query(q, *empty, 2) == 0
+
+
+@pytest.mark.parametrize("D", [1, 31, 32, 33, 128])
+def test_halves_layout(D):
+    """The float32 halves: each block of 32 as its 16 even elements, then its 16 odd ones; zero padded."""
+    rng = np.random.default_rng(D)
+    q = rng.standard_normal((3, D)).astype(np.float32)
+    parts, qf = _split(q, mode=3)
+    assert parts == -1
+    Dp = bf16_dot.padded(D)
+    padded_q = np.zeros((3, Dp), np.float32)
+    padded_q[:, :D] = q
+    for i in range(0, Dp, 32):
+        assert np.array_equal(qf[:, i:i + 16], padded_q[:, i:i + 32:2])
+        assert np.array_equal(qf[:, i + 16:i + 32], padded_q[:, i + 1:i + 32:2])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -112,10 +134,14 @@ def test_blocks_instruction_emulation_twin_agree(D):
             twin1 = np.array(bf16_dot.dot14_bf(qb, 4, use, kp, t, D, last), np.float32)
             assert all(np.array_equal(g, twin1) for g in got1)
         if use == parts:
+            _, qf = _split(q, mode=3)
+            halves = bf16_dot.testing_blocks(False)[0](qf, 1, 1, kp, t, D, last)
+            twin_h = np.array(bf16_dot.dot44_bf(qf, 1, 1, kp, t, D, last), np.float32)
             exact = np.array([q[1 + a].astype(np.float64) @ K[min(t + b, last)] for a in range(4) for b in range(4)])
             mag = np.array([np.abs(q[1 + a]).astype(np.float64) @ np.abs(K[min(t + b, last)])
                             for a in range(4) for b in range(4)])
-            assert (np.abs(twin - exact) <= 3 * D * 2.0 ** -24 * mag + 1e-30).all()
+            for got in (twin, halves, twin_h):
+                assert (np.abs(got - exact) <= 3 * D * 2.0 ** -24 * mag + 1e-30).all()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -159,7 +185,7 @@ CASES = [(1, 1, 1), (33, 4, 3), (64, 8, 16), (40, 2, 5), (128, 32, 16), (129, 1,
 @pytest.mark.parametrize("head_dim,group,P", CASES)
 def test_kernel_modes_within_budget(head_dim, group, P, mode, reduced_grid):
     """Every mode, float32 q and bfloat16 q, serial / parallel / split: within the budget; a bfloat16 q gets the
-    same bits in modes 1 and 2, a float32 q the same bits in modes 0 and 1 (mode 1 leaves it on the shift path)."""
+    same bits in modes 1 and 2 (one part), a float32 q the same bits in modes 1 and 3 (its float32 halves)."""
     if reduced_grid and head_dim >= 128:
         pytest.skip("full grid only")
     rng = np.random.default_rng(head_dim * 100 + group + P)
@@ -168,7 +194,7 @@ def test_kernel_modes_within_budget(head_dim, group, P, mode, reduced_grid):
     for q in (s.q, as_bf16(s.q)):
         ref, allowed = s.budget(q)
         outs = {}
-        for m in (0, 1, 2):
+        for m in (0, 1, 2, 3):
             mode(m)
             for run, split in ((1, 0), (2, 0), (2, 64)):
                 got = s.run(q, run, split)
@@ -176,7 +202,7 @@ def test_kernel_modes_within_budget(head_dim, group, P, mode, reduced_grid):
                 outs[m, run, split] = got
             routed = paged_decode_attention(q, s.kb, s.vb, *s.tables(), storage="bfloat16")   # run: tiled
             assert np.abs(routed - ref).max() <= allowed
-        same = (1, 2) if q is not s.q else (0, 1)
+        same = (1, 2) if q is not s.q else (1, 3)
         for key in ((1, 0), (2, 0), (2, 64)):
             assert np.array_equal(outs[(same[0],) + key], outs[(same[1],) + key])
 
@@ -184,8 +210,8 @@ def test_kernel_modes_within_budget(head_dim, group, P, mode, reduced_grid):
 @pytest.mark.parametrize("head_dim", [3, 33, 128, 129])
 @pytest.mark.parametrize("magnitude", [3.0, 10.0])
 def test_kernel_score_magnitudes(head_dim, magnitude, mode, reduced_grid):
-    """q and K scaled up (|q.k| to ~1000 at head_dim 128): modes 1 and 2 within the budget, bfloat16 and float32 q,
-    groups 1 / 8 / 32, pages 1 / 16."""
+    """q and K scaled up (|q.k| to ~1000 at head_dim 128): modes 1-3 within the budget, bfloat16 and float32 q,
+    groups 1 / 4 / 8 / 32, pages 1 / 3 / 16."""
     if reduced_grid and (head_dim, magnitude) != (33, 10.0):
         pytest.skip("full grid only")
     for P, group in ((1, 8), (16, 1), (16, 32), (3, 4)):
@@ -195,7 +221,7 @@ def test_kernel_score_magnitudes(head_dim, magnitude, mode, reduced_grid):
                   magnitude=magnitude)
         for q in (s.q, as_bf16(s.q)):
             ref, allowed = s.budget(q)
-            for m in (1, 2):
+            for m in (1, 2, 3):
                 mode(m)
                 for run, split in ((1, 0), (2, 64)):
                     assert np.abs(s.run(q, run, split) - ref).max() <= allowed, (P, group, m, run)
