@@ -145,12 +145,17 @@ def _pairs_body(qi, qf):
     """qf[r, i + j] = qi[r, i + 2j], qf[r, i + 16 + j] = qi[r, i + 2j + 1] for each block of 32 at i (j < 16), zero
     beyond D: the order `_dp_pairs` reads."""
     R, D = qi.shape
+    half = LANES // 2
+    full = D - D % LANES
     for r in range(R):
         src, dst = qi[r], qf[r]
-        for d in range(D):
-            i = d - d % LANES
-            j = d % LANES
-            dst[i + j // 2 + (LANES // 2) * (j % 2)] = src[d]
+        for i in range(0, full, LANES):
+            for j in range(half):
+                dst[i + j] = src[i + 2 * j]
+                dst[i + half + j] = src[i + 2 * j + 1]
+        for d in range(full, D):
+            j = d - full
+            dst[full + j // 2 + half * (j % 2)] = src[d]
 
 
 def _unpair(row):
