@@ -11,10 +11,12 @@ How a query's scores are computed (`mode`, a run-time argument of the per-query 
 `plan_mode`; a run-time value, so one compiled kernel serves every mode and numba's cache never holds a stale
 choice):
     0  `simd.dot44` / `dot14` on q itself (key rows widened by zero-extension and a shift)
-    1  vdpbf16ps where q is exactly bfloat16 (one part); otherwise two FMAs per pair of lanes over q's float32
-       (even, odd) halves, the key rows widened by a shift and a mask (no shuffle)
+    1  vdpbf16ps where q is exactly bfloat16 (one part) and a kv head has >= MIN_GROUP q heads; otherwise as 0
+       (measured: below 4 heads the 1 x 4 block is latency-bound and vdpbf16ps loses; a float32 q would need 3
+       parts, each as costly as the shift path's FMAs)
     2  vdpbf16ps for every query (2 or 3 parts where q is not bfloat16)
-    3  the float32 halves for every query (no vdpbf16ps)
+    3  two FMAs per pair of lanes over q's float32 (even, odd) halves, key rows widened by a shift and a mask
+       (no shuffle); measured no faster than 0, kept as an option
 A part that is zero adds exact zeros, so a bfloat16 q gets the same bits in modes 1 and 2.
 
     split_query(qi, qb, qf, mode) -> parts  one query q [Hq, D] float32 -> qb [H, G, 3 * Dp] int16 parts (Dp = D
@@ -41,6 +43,7 @@ LANES = 32                      # bfloat16 elements per 512-bit vector
 PARTS = 3                       # bfloat16 parts of a float32 q (8 significand bits each)
 MODE_ENV = "KVENGINE_BF16_DOT"  # "0" / "1" / "2": override the default mode (tests, A/B measurements)
 DEFAULT_MODE = 1
+MIN_GROUP = 4                   # mode 1: q heads per kv head from which vdpbf16ps pays (the 4 x 4 block; measured)
 
 
 def _host_has_bf16() -> bool:
@@ -125,11 +128,25 @@ def split_query(qi, qb, qf, mode):
     pair); 0: neither (`simd.dot44` on q itself)."""
     if mode == 0 or qb.size == 0:
         return 0
-    qu = qi.view(np.uint32)
-    if mode == 3 or (mode == 1 and not _exact(qu)):
+    if mode == 3:
         _pairs(qi, qf.reshape((qi.shape[0], qf.shape[2])))
         return -1
+    qu = qi.view(np.uint32)
+    if mode == 1 and (qb.shape[1] < MIN_GROUP or not _exact(qu)):
+        return 0
+    if _exact(qu):
+        _hi(qu, qb.reshape((qi.shape[0], qb.shape[2])))
+        return 1
     return _split(qi, qu, qb.reshape((qi.shape[0], qb.shape[2])), qb.shape[2] // PARTS)
+
+
+def _hi_body(qu, qb):
+    """qb[r, :D] = the high halves of the uint32 view qu [R, D] (q exactly bfloat16: its one part)."""
+    R, D = qu.shape
+    for r in range(R):
+        src, dst = qu[r], qb[r]
+        for d in range(D):
+            dst[d] = _high(src[d])
 
 
 def q_buffers(k_pages, qs):
@@ -207,6 +224,7 @@ if JIT:
     _split = njit(cache=True)(_split_body)          # no fastmath: q - hi must be the exact difference
     _exact = njit(cache=True)(_exact_body)
     _pairs = njit(cache=True)(_pairs_body)
+    _hi = njit(cache=True)(_hi_body)
 
     @overload(split_query)
     def _split_query_ov(qi, qb, qf, mode):
@@ -222,7 +240,7 @@ if JIT:
             return impl
         return lambda k_pages, qs: (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0, 0), np.float32))
 else:
-    _split, _exact, _pairs = _split_body, _exact_body, _pairs_body
+    _split, _exact, _pairs, _hi = _split_body, _exact_body, _pairs_body, _hi_body
 
 
 # --------------------------------------------------------------------------------------------------------------

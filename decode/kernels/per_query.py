@@ -130,12 +130,16 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     sc = np.empty(1, q.dtype)
     sc[0] = scale                    # the scale in the compute dtype: score arithmetic never widens to float64
     scale_c = sc[0]
+    prev = -1
+    parts = 0
     for u in range(u0, u1):
         i, lo, hi, w = unit_range(units, u, query_pos, window)
         s = query_seq[i]
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
-        load_heads(q[i], qs)
-        parts = split_query(q[i], qb, qf, dot)
+        if i != prev:                  # the pieces of one query are consecutive units: prepared once
+            load_heads(q[i], qs)
+            parts = split_query(q[i], qb, qf, dot)
+            prev = i
         if w < 0:
             attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead,
                          S, m, l, acc, st, kt, vt)

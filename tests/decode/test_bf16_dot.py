@@ -83,15 +83,18 @@ def test_split_is_exact(D):
 
 
 def test_modes_choose_per_query():
-    """Mode 1: vdpbf16ps parts only for a bfloat16 q, float32 halves otherwise; 2: parts always; 3: halves always;
-    0, or empty buffers (pages not bfloat16): neither."""
+    """Mode 1: vdpbf16ps parts only for a bfloat16 q with >= MIN_GROUP heads per kv head, else the shift path;
+    2: parts always; 3: halves always; 0, or empty buffers (pages not bfloat16): neither."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((4, 40)).astype(np.float32)
-    qb, qf = _buffers(4, 40, H=2)
-    expect = {0: (0, 0), 1: (-1, 1), 2: (3, 1), 3: (-1, -1)}
+    qb, qf = _buffers(4, 40, H=1)
+    expect = {0: (0, 0), 1: (0, 1), 2: (3, 1), 3: (-1, -1)}
     for mode, (plain, exact) in expect.items():
         assert bf16_dot.split_query(q, qb, qf, mode) == plain
         assert bf16_dot.split_query(as_bf16(q), qb, qf, mode) == exact
+    small = _buffers(4, 40, H=2)                                       # 2 q heads per kv head
+    assert bf16_dot.split_query(as_bf16(q), *small, 1) == 0
+    assert bf16_dot.split_query(as_bf16(q), *small, 2) == 1
     empty = (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0, 0), np.float32))
     assert bf16_dot.split_query(q, *empty, 2) == 0
 
@@ -185,7 +188,8 @@ CASES = [(1, 1, 1), (33, 4, 3), (64, 8, 16), (40, 2, 5), (128, 32, 16), (129, 1,
 @pytest.mark.parametrize("head_dim,group,P", CASES)
 def test_kernel_modes_within_budget(head_dim, group, P, mode, reduced_grid):
     """Every mode, float32 q and bfloat16 q, serial / parallel / split: within the budget; a bfloat16 q gets the
-    same bits in modes 1 and 2 (one part), a float32 q the same bits in modes 1 and 3 (its float32 halves)."""
+    same bits in modes 1 and 2 where mode 1 takes vdpbf16ps (one part either way), else in modes 0 and 1, and a
+    float32 q the same bits in modes 0 and 1 (the shift path)."""
     if reduced_grid and head_dim >= 128:
         pytest.skip("full grid only")
     rng = np.random.default_rng(head_dim * 100 + group + P)
@@ -202,7 +206,7 @@ def test_kernel_modes_within_budget(head_dim, group, P, mode, reduced_grid):
                 outs[m, run, split] = got
             routed = paged_decode_attention(q, s.kb, s.vb, *s.tables(), storage="bfloat16")   # run: tiled
             assert np.abs(routed - ref).max() <= allowed
-        same = (1, 2) if q is not s.q else (1, 3)
+        same = (1, 2) if q is not s.q and group >= bf16_dot.MIN_GROUP else (0, 1)
         for key in ((1, 0), (2, 0), (2, 64)):
             assert np.array_equal(outs[(same[0],) + key], outs[(same[1],) + key])
 
