@@ -151,11 +151,11 @@ def _hi_body(qu, qb):
 
 def q_buffers(k_pages, qs):
     """The buffers of `split_query` for qs [H, G, D]: (int16 [H, G, 3 * Dp], float32 [H, G, Dp]) for bfloat16
-    pages (int16 bits) and float32 q.k, else empty ones."""
+    pages (int16 bits) and float32 q.k, else empty ones [H, 0, 0] (indexable per kv head, never read)."""
     H, G, D = qs.shape
     if k_pages.dtype == np.int16 and qs.dtype == np.float32:
         return np.zeros((H, G, PARTS * padded(D)), np.int16), np.zeros((H, G, padded(D)), np.float32)
-    return np.zeros((0, 0, 0), np.int16), np.zeros((0, 0, 0), np.float32)
+    return np.zeros((H, 0, 0), np.int16), np.zeros((H, 0, 0), np.float32)
 
 
 def _pairs_body(qi, qf):
@@ -238,7 +238,8 @@ if JIT:
                 Dp = -(-D // LANES) * LANES
                 return np.zeros((H, G, PARTS * Dp), np.int16), np.zeros((H, G, Dp), np.float32)
             return impl
-        return lambda k_pages, qs: (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0, 0), np.float32))
+        return lambda k_pages, qs: (np.zeros((qs.shape[0], 0, 0), np.int16),
+                                    np.zeros((qs.shape[0], 0, 0), np.float32))
 else:
     _split, _exact, _pairs, _hi = _split_body, _exact_body, _pairs_body, _hi_body
 
