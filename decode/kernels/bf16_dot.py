@@ -41,7 +41,7 @@ from .simd import FAST, JIT
 
 LANES = 32                      # bfloat16 elements per 512-bit vector
 PARTS = 3                       # bfloat16 parts of a float32 q (8 significand bits each)
-MODE_ENV = "KVENGINE_BF16_DOT"  # "0" / "1" / "2": override the default mode (tests, A/B measurements)
+MODE_ENV = "KVENGINE_BF16_DOT"  # "0" - "3": override the default mode at import (A/B measurements)
 DEFAULT_MODE = 1
 MIN_GROUP = 4                   # mode 1: q heads per kv head from which vdpbf16ps pays (the 4 x 4 block; measured)
 
@@ -228,6 +228,8 @@ if JIT:
 
     @overload(split_query)
     def _split_query_ov(qi, qb, qf, mode):
+        if qi.dtype != types.float32:                   # float64 q (float64 storage): never bfloat16 pages
+            return lambda qi, qb, qf, mode: 0
         return split_query          # its body compiles as is (it calls only jitted helpers)
 
     @overload(q_buffers)
