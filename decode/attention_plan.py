@@ -65,6 +65,13 @@ def accumulator(compute: np.dtype, precision: str = "default", head_dim: int = W
     return np.float32(0.0)
 
 
+def route_min_run(group: int, head_dim: int, storage) -> int:
+    """Queries per run (one sequence, consecutive positions) from which the tiled kernel is used; shorter runs go
+    to the per-query kernel. A function of the shapes only (never of the thread count or of the other queries
+    of a call), so a sequence is routed the same alone and in any batch (docs/kernel.md, "Routing")."""
+    return MIN_RUN
+
+
 def k_int8(storage) -> bool:
     """Whether a storage format (numpy dtype or name) is int8."""
     return not isinstance(storage, str) and np.dtype(storage) == np.int8
@@ -181,14 +188,17 @@ class AttentionPlan:
     q_shape = (num_queries, num_q_heads, head_dim); v_shape = v_pages.shape; storage: the format's numpy dtype or
     "bfloat16"; precision: "default" (q.k in float32) or "highest" (in float64; not for int8). mode (tests,
     tuning): 0 choose, 1 serial, 2 parallel; split_tokens > 0 forces pieces of that many tokens; tiled=False
-    sends every query to the per-query kernel."""
+    sends every query to the per-query kernel; min_run (None: `route_min_run` of the shapes) forces the run length
+    from which runs are tiled (1: every run; tests and `benchmarks.routing`)."""
 
     __slots__ = ("tiles", "rest", "single", "query_seq", "query_pos", "indices", "indptr", "out_shape")
 
     def __init__(self, query_seq, query_pos, window, q_shape, v_shape, storage, *, precision="default", mode=0,
-                 split_tokens=0, tiled=True, min_run=MIN_RUN):
+                 split_tokens=0, tiled=True, min_run=None):
         num_queries, num_q_heads, head_dim = q_shape
         _, num_kv_heads, page_size, head_dim_v = v_shape
+        if min_run is None:
+            min_run = route_min_run(num_q_heads // num_kv_heads, head_dim, storage)
         self.query_seq, self.query_pos = query_seq, query_pos
         self.indices = self.indptr = None
         self.out_shape = (num_queries, num_q_heads, head_dim_v)
