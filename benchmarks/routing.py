@@ -5,7 +5,10 @@ for every layer), forced through each kernel and as routed by `decode.attention_
 The machine is shared, so the kernels are timed **interleaved in one process**: every round times per-query,
 tiled and routed back to back (the order alternating between rounds), each over enough calls for ~2 ms; a
 shape's figure is the median over rounds of the per-round ratio (tiled / per-query time: > 1 means the tiled
-kernel is slower). The table of docs/kernel.md ("Routing") and the comment of `attention_plan.route_min_run` come from
+kernel is slower). On one numba thread the kernel runs on the calling thread, whose CPU time
+(`time.thread_time`) other processes do not inflate: those ratios are the robust ones (``cpu_*``); the 2-thread
+figures are wall clock and carry the other jobs' load (a parallel region may wait a scheduler tick for its
+worker). The table of docs/kernel.md ("Routing") and the comment of `attention_plan.route_min_run` come from
 
     python -m benchmarks.routing --out routing.jsonl                    (the default grid; ~10-30 min under load)
     python -m benchmarks.routing --contexts 4096 --head-dims 64 --storages float32 --out r64.jsonl
@@ -72,7 +75,9 @@ class Scene:
 
 def interleaved(calls: dict, rounds: int, target_s: float = 2e-3) -> dict:
     """Seconds per call of each callable, timed in turn ``rounds`` times (the order reversed every other round),
-    each time over ``reps`` calls (~target_s). Returns {name: [per-round seconds per call]}."""
+    each time over ``reps`` calls (~target_s). Returns {name: [per-round wall seconds per call]} and, under
+    ``"cpu:" + name``, the calling thread's CPU seconds per call (`time.thread_time`: with one numba thread the
+    whole kernel runs there, and other processes' load does not enter)."""
     reps = {}
     for name, fn in calls.items():
         fn()
@@ -80,29 +85,38 @@ def interleaved(calls: dict, rounds: int, target_s: float = 2e-3) -> dict:
         fn()
         reps[name] = max(1, int(target_s / max(time.perf_counter() - t0, 1e-7)))
     n = min(reps.values())
-    times = {name: [] for name in calls}
+    times = {key: [] for name in calls for key in (name, "cpu:" + name)}
     names = list(calls)
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             fn = calls[name]
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             for _ in range(n):
                 fn()
             times[name].append((time.perf_counter() - t0) / n)
+            times["cpu:" + name].append((time.thread_time() - c0) / n)
     return times
 
 
+def ratios(times: dict, prefix: str = "") -> dict:
+    """Medians (seconds) and median per-round ratios of one clock (prefix "" wall, "cpu:" CPU time)."""
+    pq, ti, ro = (np.array(times[prefix + r]) for r in ROUTES)
+    return {"per_query_s": float(np.median(pq)), "tiled_s": float(np.median(ti)), "routed_s": float(np.median(ro)),
+            "tiled_over_per_query": float(np.median(ti / pq)),
+            "routed_over_best": float(np.median(ro / np.minimum(pq, ti)))}
+
+
 def measure(context, T, hq, hkv, d, storage, page, threads, rounds) -> dict:
+    """One shape: the wall-clock figures, and (``cpu_*``) the CPU-time ones (meaningful at threads=1 only)."""
     numba.set_num_threads(threads)
     scene = Scene(context, T, hq, hkv, d, storage, page)
     times = interleaved({route: scene.call(route) for route in ROUTES}, rounds)
-    pq, ti, ro = (np.array(times[r]) for r in ROUTES)
-    return {"context": context, "T": T, "num_q_heads": hq, "num_kv_heads": hkv, "group": hq // hkv,
-            "head_dim": d, "storage": storage, "page_size": page, "threads": threads, "rounds": rounds,
-            "per_query_s": float(np.median(pq)), "tiled_s": float(np.median(ti)), "routed_s": float(np.median(ro)),
-            "tiled_over_per_query": float(np.median(ti / pq)),
-            "routed_over_best": float(np.median(ro / np.minimum(pq, ti))),
-            "routed_tiled": scene.tiled_routed(), "loadavg": os.getloadavg()[0]}
+    rec = {"context": context, "T": T, "num_q_heads": hq, "num_kv_heads": hkv, "group": hq // hkv,
+           "head_dim": d, "storage": storage, "page_size": page, "threads": threads, "rounds": rounds}
+    rec.update(ratios(times))
+    rec.update({"cpu_" + k: v for k, v in ratios(times, "cpu:").items()})
+    rec.update({"routed_tiled": scene.tiled_routed(), "loadavg": os.getloadavg()[0]})
+    return rec
 
 
 def main(argv=None) -> None:
@@ -128,10 +142,12 @@ def main(argv=None) -> None:
                             for threads in a.threads:
                                 rec = measure(context, T, a.num_q_heads, a.num_q_heads // g, d, storage, page,
                                               threads, a.rounds)
+                                c = "cpu_" if threads == 1 else ""
                                 print(f"d{d} {storage} p{page} ctx{context} G{g} T{T} th{threads}: "
-                                      f"tiled/pq {rec['tiled_over_per_query']:.2f} routed/best "
-                                      f"{rec['routed_over_best']:.2f} ({'tiled' if rec['routed_tiled'] else 'pq'}) "
-                                      f"pq {rec['per_query_s'] * 1e6:.0f} us load {rec['loadavg']:.1f}", flush=True)
+                                      f"tiled/pq {rec[c + 'tiled_over_per_query']:.2f} routed/best "
+                                      f"{rec[c + 'routed_over_best']:.2f} ({'tiled' if rec['routed_tiled'] else 'pq'}) "
+                                      f"pq {rec[c + 'per_query_s'] * 1e6:.0f} us ({c or 'wall'}) "
+                                      f"load {rec['loadavg']:.1f}", flush=True)
                                 if a.out:
                                     with open(a.out, "a") as f:
                                         f.write(json.dumps(rec) + "\n")

@@ -3,8 +3,8 @@
 An `AttentionPlan` is made from the queries' sequences and positions and the shapes, for every batch shape
 (one query per sequence, runs of consecutive queries of one sequence, a mix of both; every storage format,
 int8 included), and reused by every layer that attends with the same positions (a multi-layer token, batch
-step or extend). Runs of >= `MIN_RUN` queries go to the tiled kernel (`decode.kernels.tiled`), the other
-queries to the per-query kernel (`decode.kernels.per_query`).
+step or extend). Runs of >= `route_min_run(group, head_dim, storage)` queries (`ROUTE_MIN_RUN`, measured) go to
+the tiled kernel (`decode.kernels.tiled`), the other queries to the per-query kernel (`decode.kernels.per_query`).
 
 Determinism (docs/kernel.md): key ranges are cut at absolute multiples of a piece length that depends on the
 model's shapes and the page size only (`SPLIT_TOKENS`, `TILED_SPLIT`), never on the thread count or on the other
@@ -33,7 +33,7 @@ SPLIT_TOKENS = 256           # key ranges are cut at absolute multiples of this 
 BLOCK_TOKENS = 64            # keys per online-softmax block (rounded down to whole pages, at least one page)
 PREFETCH_BYTES = 4096        # software prefetch distance along the walk of K and V runs
 # tiled kernel
-MIN_RUN = 3                  # queries per run from which the tiled kernel is used (at 2 both kernels tie)
+MIN_RUN = 3                  # run length from which formats without a measured `ROUTE_MIN_RUN` are tiled
 TILE_ROWS = 128              # (query, q head) rows per tile: tokens per tile = max(1, TILE_ROWS // group)
 TILE_BLOCK = 128             # keys per score tile
 TILED_SERIAL_WORK = 1 << 20  # rows x visible keys x (head_dim + head_dim_v) below this: no threads
@@ -65,11 +65,39 @@ def accumulator(compute: np.dtype, precision: str = "default", head_dim: int = W
     return np.float32(0.0)
 
 
+# Routing (issue 20; docs/kernel.md, "Routing"): the shortest run of one sequence's consecutive queries that the
+# tiled kernel takes, by storage and group (num_q_heads / num_kv_heads; a group between two listed ones takes the
+# smaller one's entry, beyond the last the last's). Measured with `python -m benchmarks.routing` (32 q heads,
+# head_dim 128, page 16, contexts 512 and 4096, one numba thread, CPU time of the interleaved calls, median of 7
+# per-round ratios, machine shared with other jobs): tiled / per-query time at the listed length - 1 and length:
+#   float32   G1 4 (1.07-1.23 | 0.82)  G2-8 3 (0.97-1.77 | 0.82-1.02)  G16-32 2 (0.99-1.47 at T=1 | 0.71-0.90)
+#   float16   G1 5 (1.20-1.22 | 0.86-0.91)  G2-8 4 (0.92-1.21 | 0.67-0.95)  G16-32 2 (1.12-1.21 | 0.82-0.86)
+#   bfloat16  G1 5 (1.09-1.15 | 0.86-0.91)  G2 4 (1.01 | 0.79-0.84)  G4-8 3  G16-32 2
+# A single query (a decode step) is never tiled. Short runs lose in the tiled kernel because a tile's rows
+# (tokens x group) are padded to 16 lanes and the per-query kernel shares each K/V row among the group's heads
+# too; float16's widening is cheaper per row in the per-query kernel. Other formats (float64, int8): MIN_RUN.
+ROUTE_MIN_RUN = {
+    "float32": ((1, 4), (2, 3), (16, 2)),
+    "float16": ((1, 5), (2, 4), (16, 2)),
+    BFLOAT16: ((1, 5), (2, 4), (4, 3), (16, 2)),
+}
+
+
 def route_min_run(group: int, head_dim: int, storage) -> int:
     """Queries per run (one sequence, consecutive positions) from which the tiled kernel is used; shorter runs go
-    to the per-query kernel. A function of the shapes only (never of the thread count or of the other queries
-    of a call), so a sequence is routed the same alone and in any batch (docs/kernel.md, "Routing")."""
-    return MIN_RUN
+    to the per-query kernel (`ROUTE_MIN_RUN`). A function of the shapes only (never of the thread count or of the
+    other queries of a call), so a sequence is routed the same alone and in any batch (docs/kernel.md,
+    "Routing"). head_dim enters through its accumulator: below WIDE_HEAD_DIM q.k is float64, as MIN_RUN was
+    measured."""
+    name = BFLOAT16 if isinstance(storage, str) and storage == BFLOAT16 else np.dtype(storage).name
+    table = ROUTE_MIN_RUN.get(name)
+    if table is None or head_dim < WIDE_HEAD_DIM:
+        return MIN_RUN
+    length = table[0][1]
+    for smallest_group, n in table:
+        if group >= smallest_group:
+            length = n
+    return length
 
 
 def k_int8(storage) -> bool:
