@@ -66,35 +66,43 @@ def accumulator(compute: np.dtype, precision: str = "default", head_dim: int = W
 
 
 # Routing (issue 20; docs/kernel.md, "Routing"): the shortest run of one sequence's consecutive queries that the
-# tiled kernel takes, by storage and group (num_q_heads / num_kv_heads; a group between two listed ones takes the
-# smaller one's entry, beyond the last the last's). Measured with `python -m benchmarks.routing` (32 q heads,
-# head_dim 128, page 16, contexts 512 and 4096, one numba thread, CPU time of the interleaved calls, median of 7
-# per-round ratios, machine shared with other jobs): tiled / per-query time at the listed length - 1 and length:
-#   float32   G1 4 (1.07-1.23 | 0.82)  G2-8 3 (0.97-1.77 | 0.82-1.02)  G16-32 2 (0.99-1.47 at T=1 | 0.71-0.90)
-#   float16   G1 5 (1.20-1.22 | 0.86-0.91)  G2-8 4 (0.92-1.21 | 0.67-0.95)  G16-32 2 (1.12-1.21 | 0.82-0.86)
-#   bfloat16  G1 5 (1.09-1.15 | 0.86-0.91)  G2 4 (1.01 | 0.79-0.84)  G4-8 3  G16-32 2
-# A single query (a decode step) is never tiled. Short runs lose in the tiled kernel because a tile's rows
-# (tokens x group) are padded to 16 lanes and the per-query kernel shares each K/V row among the group's heads
-# too; float16's widening is cheaper per row in the per-query kernel. Other formats (float64, int8): MIN_RUN.
+# tiled kernel takes, by (storage, head_dim) and group (num_q_heads / num_kv_heads): ((smallest group, run
+# length), ...), a group taking the entry of the largest listed group <= it; a head_dim the entry of the largest
+# listed head_dim <= it. Measured with `python -m benchmarks.routing` (32 q heads, page 16, contexts 512 and 4096
+# at head_dim 128, 4096 at 64; one numba thread, CPU time of interleaved calls, median of 7 per-round ratios, on
+# a machine shared with other jobs). tiled / per-query time at (listed length - 1 | listed length):
+#   d128 float32   G1 4 (1.07-1.23 | 0.82)  G2-8 3 (0.97-1.77 | 0.82-1.02)  G16-32 2 (0.99-1.47 at T=1 | 0.71-0.90)
+#   d128 float16   G1 5 (1.20-1.22 | 0.86-0.91)  G2-8 4 (0.92-1.21 | 0.67-0.95)  G16-32 2 (1.12-1.21 | 0.82-0.86)
+#   d128 bfloat16  G1 5 (1.09-1.15 | 0.86-0.91)  G2 4 (1.01 | 0.79-0.84)  G4 3 (1.27-1.41 | 0.69-0.87)
+#                  G8-32 2 (T=2: 0.67-0.83)
+#   d64  float32   G1 4 (1.31 | 0.92)  G2-4 3 (1.28-1.48 | 0.90-0.97)  G8-32 2 (T=2: 0.54-0.75)
+#   d64  float16   G1-4 3 (1.19-1.41 | 0.79-0.94)  G8-32 2 (T=2: 0.52-0.82)
+#   d64  bfloat16  G1 4 (1.13 | 0.93)  G2-4 3 (1.09-1.12 | 0.73-0.76)  G8-32 2 (T=2: 0.40-0.60)
+# A single query (a decode step) is never tiled, although at G >= 16 bfloat16 (and d64) the tiled kernel won
+# there too (0.52-0.98): decode steps keep their kernel. Short runs lose in the tiled kernel because a tile's
+# rows (tokens x group) are padded to 16 lanes, while the per-query kernel shares each K/V row among the group's
+# heads too. Head dims below 64 (q.k in float64), float64 and int8 storage: MIN_RUN (not measured here).
 ROUTE_MIN_RUN = {
-    "float32": ((1, 4), (2, 3), (16, 2)),
-    "float16": ((1, 5), (2, 4), (16, 2)),
-    BFLOAT16: ((1, 5), (2, 4), (4, 3), (16, 2)),
+    ("float32", 64): ((1, 4), (2, 3), (8, 2)),
+    ("float16", 64): ((1, 3), (8, 2)),
+    (BFLOAT16, 64): ((1, 4), (2, 3), (8, 2)),
+    ("float32", 128): ((1, 4), (2, 3), (16, 2)),
+    ("float16", 128): ((1, 5), (2, 4), (16, 2)),
+    (BFLOAT16, 128): ((1, 5), (2, 4), (4, 3), (8, 2)),
 }
 
 
 def route_min_run(group: int, head_dim: int, storage) -> int:
     """Queries per run (one sequence, consecutive positions) from which the tiled kernel is used; shorter runs go
-    to the per-query kernel (`ROUTE_MIN_RUN`). A function of the shapes only (never of the thread count or of the
-    other queries of a call), so a sequence is routed the same alone and in any batch (docs/kernel.md,
-    "Routing"). head_dim enters through its accumulator: below WIDE_HEAD_DIM q.k is float64, as MIN_RUN was
-    measured."""
+    to the per-query kernel (`ROUTE_MIN_RUN`; MIN_RUN where it has no entry). A function of the shapes only
+    (never of the thread count, the context length or the other queries of a call), so a sequence is routed the
+    same alone and in any batch (docs/kernel.md, "Determinism")."""
     name = BFLOAT16 if isinstance(storage, str) and storage == BFLOAT16 else np.dtype(storage).name
-    table = ROUTE_MIN_RUN.get(name)
-    if table is None or head_dim < WIDE_HEAD_DIM:
+    dims = [d for (fmt, d) in ROUTE_MIN_RUN if fmt == name and d <= head_dim]
+    if not dims:
         return MIN_RUN
-    length = table[0][1]
-    for smallest_group, n in table:
+    length = MIN_RUN
+    for smallest_group, n in ROUTE_MIN_RUN[name, max(dims)]:
         if group >= smallest_group:
             length = n
     return length
