@@ -91,6 +91,8 @@ ROUTE_MIN_RUN = {
     (BFLOAT16, 128): ((1, 5), (2, 4), (4, 3), (8, 2)),
 }
 
+LONGEST_MIN_RUN = max([MIN_RUN] + [n for table in ROUTE_MIN_RUN.values() for _, n in table])   # any shapes' bound
+
 
 def route_min_run(group: int, head_dim: int, storage) -> int:
     """Queries per run (one sequence, consecutive positions) from which the tiled kernel is used; shorter runs go
