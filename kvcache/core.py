@@ -43,7 +43,8 @@ class CacheCore:
     def sequence(self, seq) -> Sequence:
         """The live sequence ``seq`` (`kvcache.checks.check_live_seq`: TypeError for a non-integer id, ValueError
         for an unknown one)."""
-        return check_live_seq(seq, self.sequences)
+        s = self.sequences.get(seq) if type(seq) is int else None     # the common case: one dict lookup
+        return s if s is not None else check_live_seq(seq, self.sequences)
 
     def idle_sequence(self, seq) -> Sequence:
         """`sequence`, and RuntimeError if it has an open transaction."""
