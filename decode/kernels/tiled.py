@@ -11,7 +11,9 @@ query heads of one kv head h: rows r = t*G + g (token-major). Per tile, keys are
     products), the online softmax runs down ST's columns (one per row: the max, exp and sum vectorise over
     rows), O [R, Dv] += P @ Vb with P read as ST transposed.
 
-Both products go through `gemm.gemm4` (4 x up to 64 register blocks). Only blocks that cross the causal diagonal
+Both products go through `gemm.gemm_strip` (6- then 4-row x up to 64-column register blocks; the column
+strip outermost, so QT's / Vb's strip stays in L1 while the other operand streams), and the next block's K / V
+rows are prefetched while the current one is computed. Only blocks that cross the causal diagonal
 (or the window's lower edge) are masked; masked entries get weight exactly 0. A unit of work is (run, kv head,
 tile, key range [ka, kb)); a unit whose range is a part of the tile's keys (split: fewer units than threads)
 stores its partial (max, sum, unnormalised O) in a workspace slot and the parts are merged afterwards.
