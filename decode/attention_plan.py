@@ -22,6 +22,7 @@ a batch, checked once against released pages) is `plan_token` / `plan_batch` ove
 import numba
 import numpy as np
 
+from .kernels import bf16_dot
 from .kernels.per_query import query_parallel, query_serial
 from .kernels.tiled import tiled_parallel, tiled_serial
 from .kernels.units import find_runs, plan_tiles, plan_units
@@ -104,15 +105,17 @@ class QueryPlan:
     """The per-query kernel's units for queries at ``query_pos``: serial (`query_serial` on the calling thread)
     or parallel (`query_parallel`), units [U, 4] = (query, lo, hi, slot) cut at absolute multiples of
     ``split`` tokens (`units.plan_units`; empty when no query is cut and the call is serial: one unit per query),
-    bounds [chunks + 1], items [n_split, 3]. block: keys per online-softmax block; ahead: prefetch distance."""
+    bounds [chunks + 1], items [n_split, 3]. block: keys per online-softmax block; ahead: prefetch distance;
+    dot: the vdpbf16ps mode for bfloat16 pages (`bf16_dot.plan_mode`)."""
 
-    __slots__ = ("serial", "block", "ahead", "split", "units", "bounds", "items", "num_slots", "acc0")
+    __slots__ = ("serial", "block", "ahead", "split", "units", "bounds", "items", "num_slots", "acc0", "dot")
 
     def __init__(self, query_pos, window, num_q_heads, head_dim, head_dim_v, page_size, acc0, *, mode=0,
                  split_tokens=0):
         self.block = block = page_size * max(1, BLOCK_TOKENS // page_size)
         self.ahead = PREFETCH_BYTES
         self.acc0 = acc0
+        self.dot = bf16_dot.plan_mode()
         width = num_q_heads * (head_dim + head_dim_v)
         split = split_tokens if split_tokens > 0 else SPLIT_TOKENS
         self.split = split = -(-split // block) * block
@@ -136,10 +139,10 @@ class QueryPlan:
         if self.serial:
             return query_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq,
                                 query_pos, scale, window, out, self.units, self.items, self.num_slots, self.block,
-                                self.ahead, self.acc0)
+                                self.ahead, self.acc0, self.dot)
         return query_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq,
                               query_pos, scale, window, out, self.units, self.bounds, self.items, self.num_slots,
-                              self.block, self.ahead, self.acc0)
+                              self.block, self.ahead, self.acc0, self.dot)
 
 
 class TilePlan:

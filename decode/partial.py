@@ -69,7 +69,7 @@ def partial_attention(q, k_pages, v_pages, pages, lo, hi, scale: float):
         unused_out = np.empty((num_queries, num_q_heads, head_dim_v), dtype=compute)
         query_units(q, k_pages, v_pages, None, None, pages, indptr, np.zeros(num_queries, np.int32), hi - 1, 0,
                     float(scale), unused_out, units, 0, len(units), block, PREFETCH_BYTES, wm, wl, wacc,
-                    accumulator(compute, "default", head_dim))
+                    accumulator(compute, "default", head_dim), 0)
     # the kernel keeps the max of the unscaled scores q.k; this module's contract is the max of the scaled ones
     return (wm.reshape(num_queries, num_q_heads) * compute.type(scale), wl.reshape(num_queries, num_q_heads),
             wacc.reshape(num_queries, num_q_heads, head_dim_v))

@@ -5,32 +5,13 @@ dtype), else the model's dtype (a bfloat16 model gets bfloat16 pages, a float16 
     for_model(torch_dtype) -> the default storage name for a model computing in ``torch_dtype``
     config_dtype(config) -> the torch dtype a config records (from_pretrained / from_config(dtype=...)), or None
 """
-import inspect
-
 import numpy as np
 import torch
 
-from decode.attention import paged_decode_attention
 from kvcache import KVCache
-from kvcache.checks import check_storage_dtype
 
 _TORCH = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 _NAMES = ("float16", "bfloat16", "float32", "float64", "int8")
-
-
-def kernels_take_storage() -> bool:
-    """Whether this build's attention kernels take ``storage=`` (and so read bfloat16 pages)."""
-    return "storage" in inspect.signature(paged_decode_attention).parameters
-
-
-def bfloat16_pages() -> bool:
-    """Whether bfloat16 pages can be stored (`kvcache.bf16`) and read by the attention kernels (else a bfloat16
-    model's default storage is float32)."""
-    try:
-        check_storage_dtype("dtype", "bfloat16")
-    except (TypeError, ValueError):
-        return False
-    return kernels_take_storage()
 
 
 def storage_name(dtype) -> str | None:
@@ -55,12 +36,9 @@ def storage_name(dtype) -> str | None:
 
 
 def for_model(torch_dtype: torch.dtype) -> str:
-    """The default storage of a model computing in ``torch_dtype``: the same dtype (bfloat16 in a build whose kernels
-    cannot read bfloat16 pages: float32, documented in docs/transformers.md); float32 for anything else."""
-    name = _TORCH.get(torch_dtype, "float32")
-    if name == "bfloat16" and not bfloat16_pages():
-        return "float32"
-    return name
+    """The default storage of a model computing in ``torch_dtype``: the same dtype (a bfloat16 model gets bfloat16
+    pages, its K/V stored exactly); float32 for anything else."""
+    return _TORCH.get(torch_dtype, "float32")
 
 
 def pool_for_model(pool: KVCache, model_dtype: torch.dtype, rebuild: bool = True) -> KVCache:

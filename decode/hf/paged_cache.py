@@ -81,12 +81,11 @@ class PagedCache(Cache):
     config : transformers.PretrainedConfig   the model's config (layers, KV heads, head_dim, sliding windows)
     max_tokens / num_pages : int             pool capacity over all rows (and forks) together; give one
                                              (`PagedCache.for_generate` sizes it for a generate() call)
-    dtype : None | str | numpy or torch dtype   storage dtype: "float16", "bfloat16" (once kvcache stores it),
-                                             "float32", "float64", "int8" (`kvcache.quant`), or torch.float16 /
-                                             bfloat16 / float32 / float64. None (default): the model's dtype
-                                             (``config.dtype``, else the K/V of the first forward; a bfloat16
-                                             model gets bfloat16 pages, float32 in a build whose kernels
-                                             cannot read them).
+    dtype : None | str | numpy or torch dtype   storage dtype: "float16", "bfloat16", "float32", "float64",
+                                             "int8" (`kvcache.quant`), or torch.float16 / bfloat16 / float32 /
+                                             float64. None (default): the model's dtype (``config.dtype``, else
+                                             the K/V of the first forward; a bfloat16 model gets bfloat16
+                                             pages).
                                              Inputs are converted, outputs come back in the model's dtype
     page_size : int                          tokens per page
     prefix_caching : bool                    register full pages by token id, reuse them (`match_prefix`)
@@ -116,9 +115,6 @@ class PagedCache(Cache):
         pending = name is None and model_dtype is None          # known at the first forward (the model's K/V)
         if name is None:
             name = storage.for_model(model_dtype) if model_dtype is not None else "float32"
-        if name == "bfloat16" and not storage.kernels_take_storage():
-            raise ValueError("dtype: expected a storage the attention kernels read (float16, float32, float64, int8), "
-                             "got 'bfloat16' (kvcache stores it; this build's kernels have no bfloat16 loader yet)")
         pool = KVCache(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                        dtype=name, page_size=page_size, num_pages=num_pages, max_tokens=max_tokens,
                        prefix_caching=prefix_caching, namespace=namespace)
@@ -381,7 +377,7 @@ class PagedCache(Cache):
             self._fresh = None
         self._cols.extend(plan.new_real)
         self.stats["forwards"] += 1
-        self.stats["tokens"] += plan.num_queries
+        self.stats["tokens"] += plan.num_tokens
         if not self._record_past:
             try:                # the forward has landed: a failure here keeps the pages (released next time)
                 self._release_window()

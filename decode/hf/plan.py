@@ -1,37 +1,46 @@
-"""One forward pass through the paged pool: a plan computed once (which new tokens are real, their pool
-positions, the page tables) and run per layer (write the layer's K/V, one kernel call), inside one
-`kvcache.Transaction`, so a forward's tokens land in every layer or in none.
+"""One forward pass through the paged pool, planned once and run per layer (FlashInfer's plan / run): which new
+tokens are real, their pool positions, the page tables and the kernels' plans (`decode.attention_plan.
+AttentionPlan`, one per query chunk and window) are computed and validated when the forward begins; each layer
+then only checks its own tensors, writes its K/V and runs the plans, inside one append transaction (a
+`kvcache.Transaction`; a `TokenBatch` for a decode step, one new token per row), so a
+forward's tokens land in every layer or in none.
 
-Shapes (named dimensions; B = batch rows, T = new columns of this forward, N = real new tokens):
+Shapes (named dimensions; B = batch rows, T = new columns of this forward, N = real new tokens, Q = queries):
     query  [B, num_q_heads, T, head_dim]      torch, as the model's attention module hands it over
     key    [B, num_kv_heads, T, head_dim]     the *new* states only (PagedCache.update returns them as given)
     new_real  bool [B, T]                     True where the new column is a real token (False: padding)
 
-Pad columns: their K/V are never stored, and a pad query with no real token at or before it in its row returns
-zeros; a pad query after real tokens (right or inner padding of a full-attention model) attends them all, as
-sdpa and eager compute it (only the key of the pad itself is masked), so a right-padded row's last column gives
-the same next token as theirs.
+Row b's queries are its columns from its first real token on (every column when it holds tokens already), in
+row order: ``query_seq int32 [Q]`` (the row: its CSR row of the page tables), ``query_pos int64 [Q]`` (the
+position of the last real token at or before the column). Pad columns: their K/V are never stored, and a pad
+query with no real token at or before it in its row returns zeros; a pad query after real tokens (right or inner
+padding of a full-attention model) attends them all, as sdpa and eager compute it (only the key of the pad
+itself is masked), so a right-padded row's last column gives the same next token as theirs.
+
+Memory: the queries are attended in chunks (`decode.hf.query_chunks`) whose q / output copies and split-K
+workspace stay within a few MiB; K/V go to the pool from views of the model's tensors (bfloat16 into bfloat16
+pages as their bits, no conversion at all).
 """
+import math
+import numbers
+
 import numba
 import numpy as np
 import torch
 
-from decode.attention import paged_decode_attention
+from decode.attention_plan import MIN_RUN, AttentionPlan, LayerPools, raise_released
+from decode.kernels.input_check import CheckCode, check_inputs
 
-from .page_dtype import kernels_take_storage
+from . import layer_tensors, query_chunks
 
 # forwards with at least this many real queries (prefills) run the kernel on numba's threads: long enough that
 # torch's spinning OpenMP threads have gone idle (measured: a 4096-token prefill on 2 cores 16.2 s single-threaded
 # vs 11.8 s for sdpa; decode-sized calls are 5-20x slower on 2 threads, see docs/transformers.md)
 PARALLEL_QUERIES = 256
 
-
-_TAKES_STORAGE = kernels_take_storage()
-
-
-def _storage_kwargs(cfg) -> dict:
-    """``storage=`` for kernels that take it (bfloat16 pages are uint16 bits only the storage name tells apart)."""
-    return {"storage": cfg.storage} if _TAKES_STORAGE else {}
+_F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
+_NO_Q = np.zeros(0, dtype=np.float32)
+_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 
 
 class ForwardPlan:
@@ -42,87 +51,187 @@ class ForwardPlan:
     pool : kvcache.KVCache       the shared pool
     seqs : list[int]             the pool sequence of each batch row
     new_real : bool [B, T]
+    kernel_threads : int or None numba threads for forwards of fewer than `PARALLEL_QUERIES` real tokens
     token_ids : int [B, T] or None   the columns' token ids (prefix caching registers the real ones)
+
+    Attributes: ``num_tokens`` (N), ``plans_made`` (`AttentionPlan`s built: one per chunk and window).
     """
 
     def __init__(self, pool, seqs, new_real: np.ndarray, kernel_threads: int | None = 1, token_ids=None):
-        self.pool = pool
-        self.kernel_threads = kernel_threads
-        self.new_real = new_real
-        batch, width = new_real.shape
-        self.batch, self.width = batch, width
+        self.pool, self.seqs, self.kernel_threads, self.new_real = pool, seqs, kernel_threads, new_real
+        self.batch, self.width = new_real.shape
         counts = new_real.sum(axis=1, dtype=np.int64)                          # [B]
         starts = np.array([pool.length(s) for s in seqs], dtype=np.int64)      # pool length of each row
         upto = starts[:, None] + np.cumsum(new_real, axis=1, dtype=np.int64)   # [B, T] real tokens through t
         ids = None if token_ids is None else {s: token_ids[b][new_real[b]] for b, s in enumerate(seqs)}
-        self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)}, token_ids=ids)  # CacheFullError:
-        # nothing changed
+        # one new token in every row (a decode step): a `kvcache.TokenBatch`, one scatter per layer for all rows
+        self.one_each = bool((counts == 1).all()) and self.width == 1
+        if self.one_each:                                                      # CacheFullError: nothing changed
+            self.tx = pool.begin_tokens(list(seqs), token_ids=ids)
+        else:
+            self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)}, token_ids=ids)
         try:
-            self._tables(seqs, counts, upto)
+            self._tables(counts, upto)
         except BaseException:
             self.tx.rollback()
             raise
-        self.seqs = seqs
-        self.layers_written = 0
+        self.pools = LayerPools(pool)
+        self.compute = self.pools.compute
+        self.plans_made = 0
+        self._plans = {}                  # window -> [(chunk, AttentionPlan)]
+        self._shape = None                # (num_q_heads, head_dim) of the first layer's q: the plans'
+        self._buffers = None              # (q, out) compute-dtype chunk buffers, made at the first layer
 
-    def _tables(self, seqs, counts, upto) -> None:
-        tables = [self.tx.pages(s) for s in seqs]
-        self.page_indptr = np.zeros(self.batch + 1, dtype=np.int64)            # [B + 1]
-        self.page_indptr[1:] = np.cumsum([len(t) for t in tables])
-        self.page_indices = (np.concatenate(tables) if tables else np.zeros(0)).astype(np.int32)
-        offsets = np.zeros(self.batch + 1, dtype=np.int64)                     # [B + 1] real-token offsets
-        offsets[1:] = np.cumsum(counts)
-        self.num_queries = int(offsets[-1])                                    # N: real new tokens
-        self.row_slices = [(int(seqs[b]), int(offsets[b]), int(offsets[b + 1]))
-                           for b in range(self.batch) if counts[b]]
-        cells = self.batch * self.width
-        attends = np.flatnonzero((self.new_real | (upto > 0)).reshape(-1))    # [Q] into B * T: computed queries
-        self.query_seq = (attends // self.width).astype(np.int32)                         # [Q]
-        self.query_pos = upto.reshape(-1)[attends] - 1                                    # [Q] its last real key
-        real = np.flatnonzero(self.new_real.reshape(-1))                                  # [N] into B * T
-        self.kv_index = None if len(real) == cells else torch.from_numpy(real)
-        self.q_index = None if len(attends) == cells else torch.from_numpy(attends)
+    # -- planning (once per forward) --------------------------------------------------------------------------
+    def _tables(self, counts, upto) -> None:
+        self.page_indices, self.page_indptr = self.tx.indices, self.tx.indptr   # int32 [pages], int64 [B + 1]
+        self.num_tokens = int(counts.sum())                                    # N: real new tokens
+        attends = upto > 0                                                     # [B, T] columns with a query
+        self.first = np.where(attends.any(axis=1), attends.argmax(axis=1), self.width).astype(np.int64)   # [B]
+        rows = np.flatnonzero(attends.reshape(-1))                             # [Q] into B * T, row order
+        self.query_seq = (rows // self.width).astype(np.int32)                 # [Q]
+        self.query_pos = upto.reshape(-1)[rows] - 1                            # [Q] its last real key
+        self.kv_rows = []                                                      # (b, seq, columns) with tokens
+        for b in np.flatnonzero(counts):
+            real = np.flatnonzero(self.new_real[b])
+            lo, hi = int(real[0]), int(real[-1]) + 1
+            columns = slice(lo, hi) if hi - lo == len(real) else torch.from_numpy(real)
+            self.kv_rows.append((int(b), self.seqs[b], columns))
+        self.padded = not bool(self.new_real.all())
 
-    @staticmethod
-    def _rows(x: torch.Tensor, dtype: torch.dtype, index) -> np.ndarray:
-        """``x [B, H, T, D]`` -> the tokens ``index`` (into B * T; None: all) ``[n, H, D]`` as numpy ``dtype``."""
-        b, h, t, d = x.shape
-        rows = x.detach().transpose(1, 2).reshape(b * t, h, d)                 # [B * T, H, D]
-        if index is not None:
-            rows = rows.index_select(0, index)                                 # [n, H, D]
-        return rows.to(dtype).contiguous().numpy()
-
-    def run_layer(self, layer: int, query, key, value, scale, window: int) -> torch.Tensor:
-        """Write ``layer``'s new K/V of every row, attend every real query over its row's pages (one kernel
-        call) and return ``[B, T, num_q_heads, head_dim_v]`` in ``query``'s dtype (zeros for pad queries)."""
+    def _check_tables(self, window: int) -> None:
+        """The page tables against the pool and the positions against the tables (`check_inputs`, no q), once per
+        window: a query reading a released page is refused (`raise_released`) before anything is written."""
         cfg = self.pool.config
-        compute = torch.float64 if cfg.dtype == np.float64 else torch.float32
-        kv_dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
-        k, v = self._rows(key, kv_dtype, self.kv_index), self._rows(value, kv_dtype, self.kv_index)  # [N, Hkv, D]
-        for seq, start, stop in self.row_slices:
-            self.tx.write(layer, seq, k[start:stop], v[start:stop])
-        self.layers_written += 1
-        q = self._rows(query, compute, self.q_index)                                      # [Q, Hq, D]
+        code, bad = check_inputs(_NO_Q, math.inf, self.page_indices, self.page_indptr, self.query_seq,
+                                 self.query_pos, cfg.num_pages, cfg.page_size, window)
+        if code == CheckCode.FREED_PAGE:
+            p = int(self.query_pos[bad])
+            raise_released(self.pool, self.seqs[self.query_seq[bad]], max(0, p - window + 1) if window else 0, p)
+        if code:
+            raise RuntimeError(f"page tables: expected the forward's tables to match the pool, got "
+                               f"{CheckCode(code).name} at index {bad} (a bug: please report it)")
+
+    def _plan(self, window: int) -> list:
+        """The plans of ``window``'s layers: one `AttentionPlan` per chunk (made under the kernel's thread count)."""
+        if window not in self._plans:
+            self._check_tables(window)
+            num_q_heads, head_dim = self._shape
+            v_shape = self.pools.v_shape
+            plans = []
+            for chunk in self._chunks:
+                b0, b1, t0, t1, q0 = chunk
+                q1 = q0 + (b1 - b0) * (t1 - t0)
+                plans.append((chunk, AttentionPlan(self.query_seq[q0:q1], self.query_pos[q0:q1], window,
+                                                   (q1 - q0, num_q_heads, head_dim), v_shape, self.pools.storage)))
+            self.plans_made += len(plans)
+            self._plans[window] = plans
+        return self._plans[window]
+
+    def _first_layer(self, query) -> None:
+        """Fix the plans' q shape and cut the queries into chunks (`query_chunks`), with their buffers."""
+        cfg = self.pool.config
+        num_q_heads = query.shape[1] if isinstance(query, torch.Tensor) and query.ndim == 4 else 0
+        layer_tensors.check_query(query, self.batch, self.width, num_q_heads, cfg.head_dim)
+        if num_q_heads < 1 or num_q_heads % cfg.num_kv_heads:
+            raise ValueError(f"query: expected num_q_heads a positive multiple of num_kv_heads={cfg.num_kv_heads}, "
+                             f"got shape {tuple(query.shape)}")
+        self._shape = (num_q_heads, cfg.head_dim)
+        dv = cfg.head_dim_v
+        single = self.width < MIN_RUN
+        limit = query_chunks.chunk_limit(int(self.query_pos.max(initial=0)), num_q_heads, cfg.head_dim, dv,
+                                         num_q_heads // cfg.num_kv_heads, self.compute.itemsize, single=single)
+        self._chunks = query_chunks.chunks(self.first, self.width, limit)
+        most = max(((b1 - b0) * (t1 - t0) for b0, b1, t0, t1, _ in self._chunks), default=0)
+        self._buffers = (np.empty((most, num_q_heads, cfg.head_dim), self.compute),
+                         np.empty((most, num_q_heads, dv), self.compute))
+
+    # -- one layer --------------------------------------------------------------------------------------------
+    def run_layer(self, layer: int, query, key, value, scale, window: int) -> torch.Tensor:
+        """Check ``layer``'s tensors, plan its window (once per forward: at the window's first layer), write the
+        layer's new K/V of every row, attend every query over its row's pages and return ``[B, T, num_q_heads,
+        head_dim_v]`` in ``query``'s dtype (zeros for pad queries before a row's first token). A bad tensor
+        raises before anything is written."""
+        if self._shape is None:
+            self._first_layer(query)
+        scale = self._check_layer(query, key, value, scale)
         threads = numba.get_num_threads()
-        if self.kernel_threads is not None and self.num_queries < PARALLEL_QUERIES:
+        if self.kernel_threads is not None and self.num_tokens < PARALLEL_QUERIES:
             numba.set_num_threads(min(self.kernel_threads, numba.config.NUMBA_NUM_THREADS))
         try:
-            out = paged_decode_attention(q, self.pool.k_pages(layer), self.pool.v_pages(layer), self.page_indices,
-                                         self.page_indptr, self.query_seq, self.query_pos, scale=scale,
-                                         window=window, k_scales=self.pool.k_scales(layer),
-                                         v_scales=self.pool.v_scales(layer), **_storage_kwargs(cfg))  # [Q, Hq, Dv]
+            plans = self._plan(window)
+            self._write(layer, key, value)
+            return self._attend(plans, layer, query, scale, window)
         finally:
             numba.set_num_threads(threads)
-        result = torch.from_numpy(out).to(query.dtype)
-        b, t = self.batch, self.width
-        if self.q_index is None:
-            return result.reshape(b, t, *result.shape[1:])                                # [B, T, Hq, Dv]
-        full = result.new_zeros((b * t,) + tuple(result.shape[1:]))                       # [B * T, Hq, Dv]
-        full.index_copy_(0, self.q_index, result)
-        return full.reshape(b, t, *result.shape[1:])
+
+    def _check_layer(self, query, key, value, scale) -> float:
+        """What changes between layers: the tensors' shapes and dtypes, their values finite (q: in the compute
+        dtype too), the scale. Returns the scale (1 / sqrt(head_dim) for None)."""
+        cfg = self.pool.config
+        num_q_heads, head_dim = self._shape
+        layer_tensors.check_query(query, self.batch, self.width, num_q_heads, head_dim)
+        for name, x, dim in (("key", key, cfg.head_dim), ("value", value, cfg.head_dim_v)):
+            layer_tensors.check_kv_dtype(name, x)
+            if tuple(x.shape) != (self.batch, cfg.num_kv_heads, self.width, dim):
+                raise ValueError(f"{name}: expected shape [batch, num_kv_heads, new, head_dim] = "
+                                 f"{(self.batch, cfg.num_kv_heads, self.width, dim)}, got {tuple(x.shape)}")
+        narrowing = query.dtype == torch.float64 and self.compute == np.float32
+        layer_tensors.check_finite("query", query, _F32_LIMIT if narrowing else None)
+        rows = [(b, columns) for b, _, columns in self.kv_rows] if self.padded else None
+        layer_tensors.check_finite("key", key, rows=rows)
+        layer_tensors.check_finite("value", value, rows=rows)
+        if scale is None:
+            return 1.0 / math.sqrt(head_dim)
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0.0 < scale < math.inf:
+            raise ValueError(f"scaling: expected a finite float > 0 (or None), got {scale!r}")
+        return float(scale)
+
+    def _write(self, layer: int, key, value) -> None:
+        """Every row's real new K/V into the transaction (checked: finite above; the pool casts to its storage and
+        refuses values that overflow it)."""
+        bits = self.pool.config.storage == "bfloat16"
+        if self.one_each:                                                      # k, v [B, H, D]: one write
+            k_bits, v_bits = bits and key.dtype == torch.bfloat16, bits and value.dtype == torch.bfloat16
+            k, v = layer_tensors.token_rows(key, k_bits), layer_tensors.token_rows(value, v_bits)
+            if not (k_bits and v_bits):
+                k, v = self.pool.check_kv(k, v, self.batch, layered=False)
+            self.tx.write(layer, k, v)
+            return
+        for b, seq, columns in self.kv_rows:
+            k_bits, v_bits = bits and key.dtype == torch.bfloat16, bits and value.dtype == torch.bfloat16
+            k = layer_tensors.kv_rows(key, b, columns, k_bits)
+            v = layer_tensors.kv_rows(value, b, columns, v_bits)
+            self.tx.write(layer, seq, k, v, checked=k_bits and v_bits)
+
+    def _attend(self, plans: list, layer: int, query, scale: float, window: int) -> torch.Tensor:
+        num_q_heads = self._shape[0]
+        dv = self.pool.config.head_dim_v
+        out_t = (torch.zeros if self.first.any() else torch.empty)((self.batch, self.width, num_q_heads, dv),
+                                                                    dtype=query.dtype)      # [B, T, Hq, Dv]
+        direct_out = out_t.dtype == _TORCH[self.compute]
+        q_buf, out_buf = self._buffers
+        pools = self.pools
+        k_run, v_run, k_scales, v_scales = (pools.k_run[layer], pools.v_run[layer], pools.k_scales[layer],
+                                            pools.v_scales[layer])
+        for chunk, plan in plans:
+            n = plan.out_shape[0]
+            q_view = layer_tensors.chunk_view(query, chunk, True)                          # [rows, cols, Hq, D]
+            if q_view.dtype == _TORCH[self.compute] and q_view.is_contiguous():
+                q = q_view.numpy().reshape(n, num_q_heads, -1)
+            else:
+                q = q_buf[:n]
+                torch.from_numpy(q).view(q_view.shape).copy_(q_view)
+            o_view = layer_tensors.chunk_view(out_t, chunk, False)                          # [rows, cols, Hq, Dv]
+            out = o_view.numpy().reshape(n, num_q_heads, dv) if direct_out else out_buf[:n]
+            plan.run(q, k_run, v_run, self.page_indices, self.page_indptr, scale, window, out, k_scales, v_scales)
+            if not direct_out:
+                o_view.copy_(torch.from_numpy(out).view(o_view.shape))
+        return out_t
 
     def commit(self) -> None:
         self.tx.commit()
 
     def rollback(self) -> None:
         self.tx.rollback()
+

@@ -18,9 +18,14 @@ scaled format is a new branch here. Shapes: ``kp`` / ``vp`` [page_size, width] r
 
     tile_scales(scales, page, h, st)                      int8: st <- the page tile's scales as float32
     score_rows(qh, kp, st, scales, r0, r1, Sh, c, kt)     Sh[g, c + t - r0] = qh[g] . row t   (t in [r0, r1))
+    score_rows_parts(qh, qb, qf, parts, kp, st, scales, ...)  the same, by `bf16_dot.qk_bf` over q's bfloat16
+                                          parts qb (parts > 0) or float32 halves qf (parts -1); bfloat16 pages
     value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt)     ah[g, :] += Sh[g, c + t - r0] * row t
     block_rows(tile, scales, page, h, s0, s1, dst, j, st) dst[j + s - s0, :width] = row s   (tiled K/V blocks)
 """
+import numpy as np
+
+from .bf16_dot import qk_bf
 from .blocks import pv, qk
 from .int8_rows import block_rows_int8, score_rows_int8, value_rows_int8
 from .int8_simd import h2f_all
@@ -40,6 +45,17 @@ def score_rows(qh, kp, st, scales, r0, r1, Sh, c, kt):
         qk(qh, kp, r0, r1, Sh, c)
     else:
         score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt)
+
+
+def score_rows_parts(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
+    """`score_rows`, or for bfloat16 pages the scores of q as prepared by `bf16_dot.split_query`: vdpbf16ps over
+    its bfloat16 parts qb [G, 3 * Dp] (parts > 0) or FMAs over its float32 halves qf [G, Dp] (parts -1)."""
+    if parts > 0 and scales is None and kp.dtype == np.int16:
+        qk_bf(qb, parts, kp, r0, r1, Sh, c)
+    elif parts < 0 and scales is None and kp.dtype == np.int16:
+        qk_bf(qf, 1, kp, r0, r1, Sh, c)
+    else:
+        score_rows(qh, kp, st, scales, r0, r1, Sh, c, kt)
 
 
 def value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt):
@@ -90,6 +106,20 @@ if JIT:
         if _floats(scales):
             return lambda qh, kp, st, scales, r0, r1, Sh, c, kt: qk(qh, kp, r0, r1, Sh, c)
         return lambda qh, kp, st, scales, r0, r1, Sh, c, kt: score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt)
+
+    @overload(score_rows_parts, inline="always")
+    def _score_rows_parts_ov(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
+        if _floats(scales) and kp.dtype == types.int16:
+            def impl(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
+                if parts > 0:
+                    qk_bf(qb, parts, kp, r0, r1, Sh, c)
+                elif parts < 0:
+                    qk_bf(qf, 1, kp, r0, r1, Sh, c)
+                else:
+                    qk(qh, kp, r0, r1, Sh, c)
+            return impl
+        return lambda qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt: score_rows(qh, kp, st, scales, r0, r1,
+                                                                                       Sh, c, kt)
 
     @overload(value_rows, inline="always")
     def _value_rows_ov(Sh, c, vp, st, scales, r0, r1, ah, vt):

@@ -12,8 +12,9 @@ uint16 [num_pages, num_kv_heads, page_size, ceil(width / 32)] (int8); acc0: a ze
 import numpy as np
 from numba import njit, prange
 
+from .bf16_dot import q_buffers, split_query
 from .blocks import load_heads, normalise, softmax_block, unit_range
-from .loaders import score_rows, tile_scales, value_rows
+from .loaders import score_rows_parts, tile_scales, value_rows
 from .simd import FAST, prefetch_lines
 from .units import merge_rows
 
@@ -34,12 +35,13 @@ def prefetch_ahead(run, nxt, R0, R1, A):
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
-def walk_block(values, qs, pool, nxt_pool, scales, pages, b0, b1, jn, S, acc, RC, A, st, rows):
+def walk_block(values, qs, qb, qf, parts, pool, nxt_pool, scales, pages, b0, b1, jn, S, acc, RC, A, st, rows):
     """One pass over the keys [b0, b1) of a block (whole pages), page-major and head-minor: scores into S
     (values False: ``S[h, :, c] = qs[h] . K[t]``) or the weighted values into acc (values True). Each tile is taken
     in chunks of RC rows; while a chunk is used, the rows A further along the walk are prefetched (the next run
     after the block's last page is page ``pages[jn]`` of ``nxt_pool``: K's pass is followed by the block's first V,
-    V's by the next block's first K). st / rows: the loader's scratch (`loaders`). Inlined into its two call sites
+    V's by the next block's first K). qb / qf / parts: q prepared for bfloat16 pages (`bf16_dot.split_query`).
+    st / rows: the loader's scratch (`loaders`). Inlined into its two call sites
     (numba IR), where ``values`` is a constant: each is a loop of one kind."""
     P = pool.shape[2]
     H = pool.shape[1]
@@ -61,7 +63,7 @@ def walk_block(values, qs, pool, nxt_pool, scales, pages, b0, b1, jn, S, acc, RC
                 if values:
                     value_rows(S[h], c + r - s0, tile, st, scales, r, r1, acc[h], rows)
                 else:
-                    score_rows(qs[h], tile, st, scales, r, r1, S[h], c + r - s0, rows)
+                    score_rows_parts(qs[h], qb[h], qf[h], parts, tile, st, scales, r, r1, S[h], c + r - s0, rows)
                 r = r1
         c += s1 - s0
         t += s1 - s0
@@ -69,16 +71,16 @@ def walk_block(values, qs, pool, nxt_pool, scales, pages, b0, b1, jn, S, acc, RC
 
 
 @njit(cache=True, fastmath=FAST)
-def attend_pages(qs, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale, block, ahead, S, m, l, acc, st,
-                 kt, vt):
+def attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale, block, ahead, S, m, l,
+                 acc, st, kt, vt):
     """Unnormalised attention of every query-head group over the keys at absolute positions [lo, hi) of one
     sequence (`pages`: its row of the page table).
 
-    qs [num_kv_heads, G, head_dim] (the query, accumulation dtype), scale: score scale, S [num_kv_heads, G,
-    block] scratch; leaves the running (unscaled) max m [num_kv_heads, G], running sum l [num_kv_heads, G] and
-    unnormalised output acc [num_kv_heads, G, head_dim_v]. Keys are taken `block` at a time (a multiple of
-    page_size, aligned to absolute positions): the scores of the block (`walk_block` over K), the softmax update
-    per head, then the values (`walk_block` over V)."""
+    qs [num_kv_heads, G, head_dim] (the query, accumulation dtype), qb / qf / parts: q prepared for bfloat16 pages,
+    scale: score scale, S [num_kv_heads, G, block] scratch; leaves the running (unscaled) max m [num_kv_heads, G],
+    running sum l [num_kv_heads, G] and unnormalised output acc [num_kv_heads, G, head_dim_v]. Keys are taken
+    `block` at a time (a multiple of page_size, aligned to absolute positions): the scores of the block
+    (`walk_block` over K), the softmax update per head, then the values (`walk_block` over V)."""
     P = k_pages.shape[2]
     H = k_pages.shape[1]
     RC = 16 if qs.shape[1] >= 8 else min(16, max(4, 4096 // (k_pages.shape[3] * k_pages.itemsize)))
@@ -90,19 +92,20 @@ def attend_pages(qs, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale,
         b1 = min(hi, (b0 // block + 1) * block)
         jb = b0 // P
         jn = b1 // P if b1 < hi else jb
-        c = walk_block(False, qs, k_pages, v_pages, k_scales, pages, b0, b1, jb, S, acc, RC, AK, st, kt)
+        c = walk_block(False, qs, qb, qf, parts, k_pages, v_pages, k_scales, pages, b0, b1, jb, S, acc, RC, AK, st, kt)
         for h in range(H):
             softmax_block(S[h], c, m[h], l[h], acc[h], first, scale)
         first = False
-        walk_block(True, qs, v_pages, k_pages, v_scales, pages, b0, b1, jn, S, acc, RC, AV, st, vt)
+        walk_block(True, qs, qb, qf, parts, v_pages, k_pages, v_scales, pages, b0, b1, jn, S, acc, RC, AV, st, vt)
         b0 = b1
 
 
 @njit(cache=True, fastmath=FAST)
 def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, window,
-                scale, out, units, u0, u1, block, ahead, wm, wl, wacc, acc0):
+                scale, out, units, u0, u1, block, ahead, wm, wl, wacc, acc0, dot):
     """Process work units u0..u1-1 with one set of scratch buffers (the serial kernel, and the body of each
-    parallel chunk). block: keys per online-softmax block (whole pages); ahead: prefetch distance in bytes.
+    parallel chunk). block: keys per online-softmax block (whole pages); ahead: prefetch distance in bytes;
+    dot: which queries take vdpbf16ps scores over bfloat16 pages (`bf16_dot` modes 0-2).
 
     units.shape[0] == 0: unit u is query u over its whole visible range. Otherwise unit u is the row units[u] =
     (query, lo, hi, slot): keys [lo, hi); slot < 0: the unit covers the whole range, normalise into out; else
@@ -115,6 +118,8 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     P = k_pages.shape[2]
     RC = 16
     qs = np.full((H, G, D), acc0)      # q.k accumulated in acc0's dtype
+    qb, qf = q_buffers(k_pages, qs)    # q as bfloat16 parts / float32 halves (empty unless bfloat16 pages and
+                                       # float32 q.k)
     S = np.empty((H, G, block), q.dtype)
     m = np.empty((H, G), q.dtype)
     l = np.empty((H, G), q.dtype)
@@ -125,19 +130,24 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     sc = np.empty(1, q.dtype)
     sc[0] = scale                    # the scale in the compute dtype: score arithmetic never widens to float64
     scale_c = sc[0]
+    prev = -1
+    parts = 0
     for u in range(u0, u1):
         i, lo, hi, w = unit_range(units, u, query_pos, window)
         s = query_seq[i]
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
-        load_heads(q[i], qs)
+        if i != prev:                  # the pieces of one query are consecutive units: prepared once
+            load_heads(q[i], qs)
+            parts = split_query(q[i], qb, qf, dot)
+            prev = i
         if w < 0:
-            attend_pages(qs, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead, S, m, l,
-                         acc, st, kt, vt)
+            attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead,
+                         S, m, l, acc, st, kt, vt)
             for h in range(H):
                 normalise(acc[h], l[h], out[i, h * G:(h + 1) * G])
         else:
-            attend_pages(qs, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead, S, wm[w],
-                         wl[w], wacc[w], st, kt, vt)
+            attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead,
+                         S, wm[w], wl[w], wacc[w], st, kt, vt)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -162,19 +172,19 @@ def _workspace(q, H, Dv, num_slots):
 
 @njit(cache=True, fastmath=FAST)
 def query_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, scale,
-                 window, out, units, items, num_slots, block, ahead, acc0):
+                 window, out, units, items, num_slots, block, ahead, acc0, dot):
     """Every unit on the calling thread, then the merge of the split queries (units empty: one per query)."""
     wm, wl, wacc = _workspace(q, k_pages.shape[1], v_pages.shape[3], num_slots)
     n = units.shape[0] if units.shape[0] else query_pos.shape[0]
     query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, window,
-                scale, out, units, 0, n, block, ahead, wm, wl, wacc, acc0)
+                scale, out, units, 0, n, block, ahead, wm, wl, wacc, acc0, dot)
     merge_items(out, items, 0, items.shape[0], wm, wl, wacc, scale)
     return out
 
 
 @njit(parallel=True, cache=True, fastmath=FAST)
 def query_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, scale,
-                   window, out, units, bounds, items, num_slots, block, ahead, acc0):
+                   window, out, units, bounds, items, num_slots, block, ahead, acc0, dot):
     """The units of `plan_units` on all threads: one prange iteration per chunk of units (each owns its units'
     outputs and workspace slots), then the split queries are merged (prange over items when there are enough;
     each query's parts always in slot order)."""
@@ -183,7 +193,7 @@ def query_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_i
     nch = bounds.shape[0] - 1
     for ck in prange(nch):
         query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos,
-                    window, scale, out, units, bounds[ck], bounds[ck + 1], block, ahead, wm, wl, wacc, acc0)
+                    window, scale, out, units, bounds[ck], bounds[ck + 1], block, ahead, wm, wl, wacc, acc0, dot)
     n = items.shape[0]
     if n >= nch and wacc.size >= 1 << 16:
         for ck in prange(nch):

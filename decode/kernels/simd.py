@@ -296,6 +296,27 @@ if JIT:
         hi = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_I32, 8), list(range(8, 16))))
         return builder.fadd(builder.fpext(lo, dv), builder.fpext(hi, dv))
 
+    def bf16_pairs_ir(builder, x):
+        """<16 x i32> holding 32 bfloat16 (element 2j in the low half of lane j) -> (<16 x float> of the even
+        elements, <16 x float> of the odd ones), exactly: a 16-bit shift, and a mask of the high halves."""
+        i32v = _ir.VectorType(_I32, 16)
+        fv = _ir.VectorType(_ir.FloatType(), 16)
+        even = builder.shl(x, _ir.Constant(i32v, [16] * 16))
+        odd = builder.and_(x, _ir.Constant(i32v, [0xFFFF0000 - (1 << 32)] * 16))
+        return builder.bitcast(even, fv), builder.bitcast(odd, fv)
+
+    def deinterleave_ir(builder, a0, a1):
+        """32 lanes as two 16-lane vectors -> (the even lanes, the odd lanes)."""
+        even = _ir.Constant(_ir.VectorType(_I32, 16), list(range(0, 32, 2)))
+        odd = _ir.Constant(_ir.VectorType(_I32, 16), list(range(1, 32, 2)))
+        return builder.shuffle_vector(a0, a1, even), builder.shuffle_vector(a0, a1, odd)
+
+    def interleave_ir(builder, even, odd):
+        """The inverse of `deinterleave_ir`."""
+        lo = _ir.Constant(_ir.VectorType(_I32, 16), [j // 2 + (16 if j % 2 else 0) for j in range(16)])
+        hi = _ir.Constant(_ir.VectorType(_I32, 16), [8 + j // 2 + (16 if j % 2 else 0) for j in range(16)])
+        return builder.shuffle_vector(even, odd, lo), builder.shuffle_vector(even, odd, hi)
+
     def _make_dot(ng, nt):
         def typer(typingctx, qs, g, kp, t, n, last):
             if not (isinstance(qs, types.Array) and isinstance(kp, types.Array) and qs.ndim == 2 and kp.ndim == 2
@@ -360,15 +381,25 @@ if JIT:
                 slots = [_cg.alloca_once(builder, vt) for _ in range(ng * nvec)]
                 fma = _fma(builder, vt, lanes)
                 strip = lanes * nvec
+                # bfloat16 values: the 32 accumulator lanes of a strip held as (even dims, odd dims) over the rows
+                # (the same FMAs, in the same order, as widening each row: no shuffle per row)
+                pairs = vty.dtype == types.int16 and lanes == 16 and nvec == 2
                 with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), n_, _ir.Constant(_I64, strip)) as (d, _):
                     for a in range(ng):
+                        ptrs = [builder.gep(arows[a], [builder.add(d, _ir.Constant(_I64, k * lanes))]) for k in range(nvec)]
+                        av = [builder.load(builder.bitcast(p, vt.as_pointer()), align=4) for p in ptrs]
+                        if pairs:
+                            av = deinterleave_ir(builder, *av)
                         for k in range(nvec):
-                            p = builder.gep(arows[a], [builder.add(d, _ir.Constant(_I64, k * lanes))])
-                            builder.store(builder.load(builder.bitcast(p, vt.as_pointer()), align=4), slots[a * nvec + k])
+                            builder.store(av[k], slots[a * nvec + k])
                     with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(_I64, 1)) as (t, _):
                         vrow = builder.gep(vary.data, [builder.add(builder.mul(t, vcols), d)])
-                        vv = [_vload(context, builder, builder.gep(vrow, [_ir.Constant(_I64, k * lanes)]), vty.dtype,
-                                     lanes, vt) for k in range(nvec)]
+                        if pairs:       # 32 bfloat16 as 16 x i32: even elements by a shift, odd ones by a mask
+                            x = builder.load(builder.bitcast(vrow, _ir.VectorType(_I32, 16).as_pointer()), align=2)
+                            vv = list(bf16_pairs_ir(builder, x))
+                        else:
+                            vv = [_vload(context, builder, builder.gep(vrow, [_ir.Constant(_I64, k * lanes)]),
+                                         vty.dtype, lanes, vt) for k in range(nvec)]
                         for a in range(ng):
                             w = builder.load(builder.gep(srows[a], [t]))
                             wv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), w, _ir.Constant(_I32, 0)),
@@ -377,9 +408,12 @@ if JIT:
                                 sl = slots[a * nvec + k]
                                 builder.store(builder.call(fma, [wv, vv[k], builder.load(sl)]), sl)
                     for a in range(ng):
+                        av = [builder.load(slots[a * nvec + k]) for k in range(nvec)]
+                        if pairs:
+                            av = interleave_ir(builder, *av)
                         for k in range(nvec):
                             p = builder.gep(arows[a], [builder.add(d, _ir.Constant(_I64, k * lanes))])
-                            builder.store(builder.load(slots[a * nvec + k]), builder.bitcast(p, vt.as_pointer()), align=4)
+                            builder.store(av[k], builder.bitcast(p, vt.as_pointer()), align=4)
                 return context.get_dummy_value()
 
             return types.void(S, g, c, vp, t0, t1, acc, n), codegen

@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 
 from decode import Decoder, batch_extend, batch_step
 from decode.attention import paged_decode_attention
-from kvcache import KVCache, quant
+from kvcache import KVCache, bf16, quant
 
 pytestmark = pytest.mark.kernel
 
-FORMATS = ("float32", "float16", "int8")
+FORMATS = ("float32", "float16", "int8", "bfloat16")
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -63,12 +63,16 @@ class Pool:
             kq, ks = quant.quantize(k)
             vq, vs = quant.quantize(v)
             return kq, vq, ks, vs, indices, indptr
+        if self.fmt == "bfloat16":
+            return bf16.to_bits(k), bf16.to_bits(v), None, None, indices, indptr
         dt = np.dtype(self.fmt)
         return k.astype(dt), v.astype(dt), None, None, indices, indptr
 
 
 def attend(pages, q, query_seq, query_pos, **kw):
     k, v, ks, vs, indices, indptr = pages
+    if k.dtype == np.uint16:                     # `Pool.build` stores bfloat16 bits as uint16
+        kw["storage"] = "bfloat16"
     return paged_decode_attention(q, k, v, indices, indptr, np.asarray(query_seq, np.int32),
                                   np.asarray(query_pos, np.int64), k_scales=ks, v_scales=vs, **kw)
 

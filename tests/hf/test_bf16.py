@@ -5,17 +5,14 @@ exceeds 8x its own bfloat16 rounding error (`precision.token_identity`); the cou
 and reported in docs/transformers.md."""
 import pytest
 
-from decode.hf.page_dtype import bfloat16_pages
-
 from .models import ARCHS
 from .precision import bfloat16_runs, token_identity
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_model_token_identity(arch):
-    """The default storage of a bfloat16 model: bfloat16 pages (float32 in a build whose kernels cannot read
-    bfloat16)."""
+    """The default storage of a bfloat16 model: bfloat16 pages."""
     exact, plain, ours, cache, model = bfloat16_runs(arch, steps=12, storage=None, batch=3)
-    assert cache.pool.config.storage == ("bfloat16" if bfloat16_pages() else "float32")
+    assert cache.pool.config.storage == "bfloat16"
     assert cache.stats["kernel_calls"] == cache.stats["forwards"] * model.config.num_hidden_layers
     r = token_identity(exact, plain, ours)
     print(f"\n{arch} {cache.pool.config.storage} pages: identical where decided {r['identical_where_decided']}/"

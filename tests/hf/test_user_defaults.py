@@ -7,7 +7,6 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from decode.hf import PagedCache
 from decode.hf.sizing import pages_for_generate
-from decode.hf.page_dtype import bfloat16_pages
 
 from .test_misuse import build, forward, llama
 from .models import generate, prompts
@@ -21,12 +20,8 @@ def test_storage_dtype_accepts_names_numpy_and_torch_dtypes(given, stored):
 
 
 @pytest.mark.parametrize("given", [torch.bfloat16, "bfloat16"])
-def test_bfloat16_storage_where_the_kernels_read_it(given):
-    if bfloat16_pages():
-        assert PagedCache(llama(), max_tokens=32, dtype=given).pool.config.storage == "bfloat16"
-    else:
-        with pytest.raises(ValueError, match="dtype: .*'bfloat16'.*no bfloat16 loader"):
-            PagedCache(llama(), max_tokens=32, dtype=given)
+def test_bfloat16_storage(given):
+    assert PagedCache(llama(), max_tokens=32, dtype=given).pool.config.storage == "bfloat16"
 
 
 @pytest.mark.parametrize("given", [torch.int32, "fp16", "float", object()])
@@ -51,11 +46,11 @@ def test_default_storage_follows_a_moved_model_at_its_first_forward():
 
 
 def test_default_storage_of_a_bfloat16_model():
-    """bfloat16 pages for a bfloat16 model where the kernels read them, float32 pages before (docs say so)."""
+    """bfloat16 pages for a bfloat16 model, whether its config says so or its first forward does."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(llama(), attn_implementation="pagedkv", dtype=torch.bfloat16).eval()
     assert model.config.dtype == torch.bfloat16                       # known at construction
-    expected = "bfloat16" if bfloat16_pages() else "float32"
+    expected = "bfloat16"
     assert PagedCache(model.config, max_tokens=32).pool.config.storage == expected
     moved = build(llama(), "pagedkv", dtype=torch.bfloat16)          # config.dtype None: known at the first forward
     cache = PagedCache(moved.config, max_tokens=64, page_size=4)
