@@ -78,9 +78,9 @@ def warm_engine() -> dict:
                     dec.step(rng.standard_normal((8, 64), dtype=np.float32), kv[0], kv[0])
                 dec.extend(rng.standard_normal((2, 8, 64), dtype=np.float32), kv[:2], kv[:2])
                 cache = dec.cache
-                table = cache.page_table(dec.seq)
-                paged_decode_attention(rng.standard_normal((1, 8, 64), dtype=np.float32), cache.k_pages(0),
-                                       cache.v_pages(0), table, np.array([0, len(table)]), np.zeros(1, np.int32),
+                table = cache.pool.page_table(dec.seq)
+                paged_decode_attention(rng.standard_normal((1, 8, 64), dtype=np.float32), cache.pool.k_pages(0),
+                                       cache.pool.v_pages(0), table, np.array([0, len(table)]), np.zeros(1, np.int32),
                                        np.array([dec.length - 1]))
             from kvcache import KVCache
 

@@ -79,8 +79,8 @@ class EngineKernel(Impl):
         for layer, dec in enumerate(self.engine.decs):
             if dec.length == s.context - 1:
                 dec.step(d.q[layer], d.k_in[layer], d.v_in[layer])
-            table = dec.cache.page_table(dec.seq)
-            self.args.append((d.q[layer][None], dec.cache.k_pages(0), dec.cache.v_pages(0), table,
+            table = dec.cache.pool.page_table(dec.seq)
+            self.args.append((d.q[layer][None], dec.cache.pool.k_pages(0), dec.cache.pool.v_pages(0), table,
                               np.array([0, len(table)], dtype=np.int64), np.zeros(1, dtype=np.int32),
                               np.array([s.context - 1], dtype=np.int64)))
         self.out = np.empty((1, s.num_q_heads, s.head_dim), dtype=np.float32)

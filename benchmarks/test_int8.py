@@ -146,12 +146,12 @@ def test_int8_kernel_compute(benchmark, quick, which):
         cache = KVCache(num_kv_heads=hkv, head_dim=d, dtype=dtype, page_size=64, max_tokens=n)
         seq = cache.create_sequence()
         cache.append(seq, k, k)
-        table = cache.page_table(seq)
-        args = (q, cache.k_pages(), cache.v_pages(), table, np.array([0, len(table)], np.int64),
+        table = cache.pool.page_table(seq)
+        args = (q, cache.pool.k_pages(), cache.pool.v_pages(), table, np.array([0, len(table)], np.int64),
                 np.zeros(1, np.int32), np.array([n - 1], np.int64), 1 / math.sqrt(d), 0,
                 np.empty((1, hq, d), np.float32))
-        calls[dtype] = (lambda args=args, cache=cache: attend(*args, mode=1, k_scales=cache.k_scales(),
-                                                             v_scales=cache.v_scales()))
+        calls[dtype] = (lambda args=args, cache=cache: attend(*args, mode=1, k_scales=cache.pool.k_scales(),
+                                                             v_scales=cache.pool.v_scales()))
         calls[dtype]()
     best = {dtype: math.inf for dtype in DTYPES}
     repeat = 1 if quick else 20

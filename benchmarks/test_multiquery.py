@@ -278,13 +278,13 @@ def int8_engine(c, impl):
         return dec.extend, setup, Kd, Vd, q, start
     dec.append(K, V)
     cache = dec.cache
-    indices = np.asarray(cache.page_table(dec.seq), dtype=np.int32)
+    indices = np.asarray(cache.pool.page_table(dec.seq), dtype=np.int32)
     indptr = np.array([0, len(indices)], dtype=np.int64)
     qseq = np.zeros(T, dtype=np.int32)
     qpos = np.arange(start, L, dtype=np.int64)
     out = np.empty((T, hq, d), dtype=np.float32)
-    args = (q, cache.k_pages(), cache.v_pages(), indices, indptr, qseq, qpos, dec.scale, 0, out)
-    kw = dict(k_scales=cache.k_scales(), v_scales=cache.v_scales(), tiled=impl.endswith("_tiled"))
+    args = (q, cache.pool.k_pages(), cache.pool.v_pages(), indices, indptr, qseq, qpos, dec.scale, 0, out)
+    kw = dict(k_scales=cache.pool.k_scales(), v_scales=cache.pool.v_scales(), tiled=impl.endswith("_tiled"))
 
     def call():
         return attend_unchecked(*args, **kw)

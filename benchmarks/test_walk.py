@@ -63,12 +63,12 @@ def test_step_vs_walk(benchmark, ceilings, quick, warm_engine, walk_case):
     common.check_close(f"step {shape.label}", engine.call(0), data.reference(0), shape.dtype)
     ceiling = WalkCeiling()
     rotation = common.Rotation(layers)
-    pages = [dec.cache.page_table(dec.seq) for dec in engine.decs]
+    pages = [dec.cache.pool.page_table(dec.seq) for dec in engine.decs]
 
     def setup():
         layer = next(rotation)
         other = engine.decs[(layer + layers // 2) % layers]
-        ceiling.measure(other.cache.k_pages(0), other.cache.v_pages(0), pages[(layer + layers // 2) % layers],
+        ceiling.measure(other.cache.pool.k_pages(0), other.cache.pool.v_pages(0), pages[(layer + layers // 2) % layers],
                         shape.kv_bytes)
         engine.setup(layer)
         return (layer,), {}
@@ -124,8 +124,8 @@ def test_batch_vs_walk(benchmark, ceilings, quick, warm_engine, batch_case):
         p = next(rotation)
         other = decs[(p + pools // 2) % pools]
         cache = other[0].cache
-        ceiling.measure(cache.k_pages(0), cache.v_pages(0),
-                        np.concatenate([cache.page_table(d.seq) for d in other]), per_pool)
+        ceiling.measure(cache.pool.k_pages(0), cache.pool.v_pages(0),
+                        np.concatenate([cache.pool.page_table(d.seq) for d in other]), per_pool)
         for dec in decs[p]:
             if dec.length == n:
                 dec.truncate(n - 1)
@@ -172,13 +172,13 @@ def test_layer_overhead(benchmark, ceilings, quick, warm_engine, layers_case):
                 tx.step(layer, q[layer], k[layer], k[layer])
 
     token()                                                        # n tokens: the kernel-only baseline's pages
-    table = dec.cache.page_table(dec.seq)
+    table = dec.cache.pool.page_table(dec.seq)
     indptr = np.array([0, len(table)], dtype=np.int64)
     qseq, qpos = np.zeros(1, dtype=np.int32), np.array([n - 1], dtype=np.int64)
-    plan = AttentionPlan(qseq, qpos, 0, (1, hq, d), dec.cache.v_pages(0).shape, np.dtype(np.float16))
+    plan = AttentionPlan(qseq, qpos, 0, (1, hq, d), dec.cache.pool.v_pages(0).shape, np.dtype(np.float16))
     out = np.empty((1, hq, d), dtype=np.float32)
     # the kernels' own view of float16 pages (uint16 bits), made here once: the baseline is the bare kernel call
-    pools = [(dec.cache.k_pages(layer).view(np.uint16), dec.cache.v_pages(layer).view(np.uint16))
+    pools = [(dec.cache.pool.k_pages(layer).view(np.uint16), dec.cache.pool.v_pages(layer).view(np.uint16))
              for layer in range(num_layers)]
     qs = [x[None] for x in q]
     kernel_s = []

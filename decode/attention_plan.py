@@ -3,8 +3,8 @@
 An `AttentionPlan` is made from the queries' sequences and positions and the shapes, for every batch shape
 (one query per sequence, runs of consecutive queries of one sequence, a mix of both; every storage format,
 int8 included), and reused by every layer that attends with the same positions (a multi-layer token, batch
-step or extend). Runs of >= `MIN_RUN` queries go to the tiled kernel (`decode.kernels.tiled`), the other
-queries to the per-query kernel (`decode.kernels.per_query`).
+step or extend). Runs of >= `route_min_run(group, head_dim, storage)` queries (`ROUTE_MIN_RUN`, measured) go to
+the tiled kernel (`decode.kernels.tiled`), the other queries to the per-query kernel (`decode.kernels.per_query`).
 
 Determinism (docs/kernel.md): key ranges are cut at absolute multiples of a piece length that depends on the
 model's shapes and the page size only (`SPLIT_TOKENS`, `TILED_SPLIT`), never on the thread count or on the other
@@ -34,7 +34,7 @@ SPLIT_TOKENS = 256           # key ranges are cut at absolute multiples of this 
 BLOCK_TOKENS = 64            # keys per online-softmax block (rounded down to whole pages, at least one page)
 PREFETCH_BYTES = 4096        # software prefetch distance along the walk of K and V runs
 # tiled kernel
-MIN_RUN = 3                  # queries per run from which the tiled kernel is used (at 2 both kernels tie)
+MIN_RUN = 3                  # run length from which formats without a measured `ROUTE_MIN_RUN` are tiled
 TILE_ROWS = 128              # (query, q head) rows per tile: tokens per tile = max(1, TILE_ROWS // group)
 TILE_BLOCK = 128             # keys per score tile
 TILED_SERIAL_WORK = 1 << 20  # rows x visible keys x (head_dim + head_dim_v) below this: no threads
@@ -64,6 +64,51 @@ def accumulator(compute: np.dtype, precision: str = "default", head_dim: int = W
     if compute == np.float64 or precision == "highest" or head_dim < WIDE_HEAD_DIM:
         return np.float64(0.0)
     return np.float32(0.0)
+
+
+# Routing (issue 20; docs/kernel.md, "Routing"): the shortest run of one sequence's consecutive queries that the
+# tiled kernel takes, by (storage, head_dim) and group (num_q_heads / num_kv_heads): ((smallest group, run
+# length), ...), a group taking the entry of the largest listed group <= it; a head_dim the entry of the largest
+# listed head_dim <= it. Measured with `python -m benchmarks.routing` (32 q heads, page 16, contexts 512 and 4096
+# at head_dim 128, 4096 at 64; one numba thread, CPU time of interleaved calls, median of 7 per-round ratios, on
+# a machine shared with other jobs). tiled / per-query time at (listed length - 1 | listed length):
+#   d128 float32   G1 4 (1.07-1.23 | 0.82)  G2-8 3 (0.97-1.77 | 0.82-1.02)  G16-32 2 (0.99-1.47 at T=1 | 0.71-0.90)
+#   d128 float16   G1 5 (1.20-1.22 | 0.86-0.91)  G2-8 4 (0.92-1.21 | 0.67-0.95)  G16-32 2 (1.12-1.21 | 0.82-0.86)
+#   d128 bfloat16  (after the vdpbf16ps per-query kernel, context 4096 only) G1-4 4 (1.08-1.66 | 0.83-0.92)
+#                  G8 3 (1.03 | 0.99)  G16-32 2 (T=2: 0.73-0.89)
+#   d64  float32   G1 4 (1.31 | 0.92)  G2-4 3 (1.28-1.48 | 0.90-0.97)  G8-32 2 (T=2: 0.54-0.75)
+#   d64  float16   G1-4 3 (1.19-1.41 | 0.79-0.94)  G8-32 2 (T=2: 0.52-0.82)
+#   d64  bfloat16  G1 4 (1.13 | 0.93)  G2-4 3 (1.09-1.12 | 0.73-0.76)  G8-32 2 (T=2: 0.40-0.60)
+# A single query (a decode step) is never tiled, although at G >= 16 bfloat16 (and d64) the tiled kernel won
+# there too (0.52-0.98): decode steps keep their kernel. Short runs lose in the tiled kernel because a tile's
+# rows (tokens x group) are padded to 16 lanes, while the per-query kernel shares each K/V row among the group's
+# heads too. Head dims below 64 (q.k in float64), float64 and int8 storage: MIN_RUN (not measured here).
+ROUTE_MIN_RUN = {
+    ("float32", 64): ((1, 4), (2, 3), (8, 2)),
+    ("float16", 64): ((1, 3), (8, 2)),
+    (BFLOAT16, 64): ((1, 4), (2, 3), (8, 2)),
+    ("float32", 128): ((1, 4), (2, 3), (16, 2)),
+    ("float16", 128): ((1, 5), (2, 4), (16, 2)),
+    (BFLOAT16, 128): ((1, 4), (8, 3), (16, 2)),
+}
+
+LONGEST_MIN_RUN = max([MIN_RUN] + [n for table in ROUTE_MIN_RUN.values() for _, n in table])   # any shapes' bound
+
+
+def route_min_run(group: int, head_dim: int, storage) -> int:
+    """Queries per run (one sequence, consecutive positions) from which the tiled kernel is used; shorter runs go
+    to the per-query kernel (`ROUTE_MIN_RUN`; MIN_RUN where it has no entry). A function of the shapes only
+    (never of the thread count, the context length or the other queries of a call), so a sequence is routed the
+    same alone and in any batch (docs/kernel.md, "Determinism")."""
+    name = BFLOAT16 if isinstance(storage, str) and storage == BFLOAT16 else np.dtype(storage).name
+    dims = [d for (fmt, d) in ROUTE_MIN_RUN if fmt == name and d <= head_dim]
+    if not dims:
+        return MIN_RUN
+    length = MIN_RUN
+    for smallest_group, n in ROUTE_MIN_RUN[name, max(dims)]:
+        if group >= smallest_group:
+            length = n
+    return length
 
 
 def k_int8(storage) -> bool:
@@ -184,14 +229,17 @@ class AttentionPlan:
     q_shape = (num_queries, num_q_heads, head_dim); v_shape = v_pages.shape; storage: the format's numpy dtype or
     "bfloat16"; precision: "default" (q.k in float32) or "highest" (in float64; not for int8). mode (tests,
     tuning): 0 choose, 1 serial, 2 parallel; split_tokens > 0 forces pieces of that many tokens; tiled=False
-    sends every query to the per-query kernel."""
+    sends every query to the per-query kernel; min_run (None: `route_min_run` of the shapes) forces the run length
+    from which runs are tiled (1: every run; tests and `benchmarks.routing`)."""
 
     __slots__ = ("tiles", "rest", "single", "query_seq", "query_pos", "indices", "indptr", "out_shape")
 
     def __init__(self, query_seq, query_pos, window, q_shape, v_shape, storage, *, precision="default", mode=0,
-                 split_tokens=0, tiled=True, min_run=MIN_RUN):
+                 split_tokens=0, tiled=True, min_run=None):
         num_queries, num_q_heads, head_dim = q_shape
         _, num_kv_heads, page_size, head_dim_v = v_shape
+        if min_run is None:
+            min_run = route_min_run(num_q_heads // num_kv_heads, head_dim, storage)
         self.query_seq, self.query_pos = query_seq, query_pos
         self.indices = self.indptr = None
         self.out_shape = (num_queries, num_q_heads, head_dim_v)
@@ -259,10 +307,10 @@ class LayerPools:
         config = cache.config
         self.storage = BFLOAT16 if getattr(config, "storage", None) == BFLOAT16 else config.dtype
         layers = range(config.num_layers)
-        self.k_run = [kernel_view(cache.k_pages(layer), self.storage) for layer in layers]
-        self.v_run = [kernel_view(cache.v_pages(layer), self.storage) for layer in layers]
-        self.k_scales = [kernel_view(cache.k_scales(layer)) for layer in layers]
-        self.v_scales = [kernel_view(cache.v_scales(layer)) for layer in layers]
+        self.k_run = [kernel_view(cache.pool.k_pages(layer), self.storage) for layer in layers]
+        self.v_run = [kernel_view(cache.pool.v_pages(layer), self.storage) for layer in layers]
+        self.k_scales = [kernel_view(cache.pool.k_scales(layer)) for layer in layers]
+        self.v_scales = [kernel_view(cache.pool.v_scales(layer)) for layer in layers]
         self.int8 = self.k_scales[0] is not None
         self.compute = compute_dtype(self.storage)
         self.v_shape = self.v_run[0].shape
@@ -327,7 +375,7 @@ def raise_released(cache, seq: int, first: int, position: int):
     """Raise: the query at ``position`` would read positions ``first ..`` of which some were given back by
     `KVCache.release_before` (a -1 in the page table; the unchecked kernel would index the pool with it)."""
     raise ValueError(f"seq: expected K/V held for positions {first}..{position} (read by the query at position "
-                     f"{position}), got positions < {cache.first_position(seq)} released (KVCache.release_before)")
+                     f"{position}), got positions < {cache.pool.first_position(seq)} released (KVCache.release_before)")
 
 
 def attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, scale, window, out, *,

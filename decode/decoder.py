@@ -10,8 +10,6 @@ exactly as before. Inputs must be finite (after the cast to the storage dtype) a
 (`decode.inputs`). Query ``i`` of a call sits at absolute position ``length + i`` and reads keys at positions
 ``<= length + i`` (and ``> position - window`` with a sliding window).
 """
-import math
-import numbers
 
 import numpy as np
 
@@ -21,7 +19,8 @@ from kvcache.checks import check_int
 from . import window as _window
 from .attention_plan import LayerPools, attend_token
 from .decoder_transaction import DecoderTransaction
-from .inputs import InputChecks, check_single_layer, check_tokens, num_tokens_of
+from .inputs import (InputChecks, check_cache, check_decoder_args, check_single_layer, check_tokens, check_truncate,
+                     num_tokens_of)
 
 
 class Decoder:
@@ -51,8 +50,7 @@ class Decoder:
     @classmethod
     def on_cache(cls, cache: KVCache, num_q_heads, *, scale=None, window=None) -> "Decoder":
         """A decoder of a new, empty sequence in an existing (shared) ``cache`` (continuous batching)."""
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache: expected a kvcache.KVCache, got {type(cache).__name__}")
+        check_cache(cache)
         self = cls.__new__(cls)
         self._attach(cache, cache.create_sequence, num_q_heads, scale, window)
         return self
@@ -64,8 +62,7 @@ class Decoder:
         `KVCache` with ``prefix_caching=True``), in whole pages, at most N - 1 tokens. Returns ``(decoder,
         num_hit)``: the remaining ``token_ids[num_hit:]`` are still to be computed (``extend(..., token_ids=
         token_ids[num_hit:])``)."""
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache: expected a kvcache.KVCache, got {type(cache).__name__}")
+        check_cache(cache)
         self, hit = cls.__new__(cls), []
 
         def new_seq():
@@ -78,8 +75,7 @@ class Decoder:
     @classmethod
     def on_sequence(cls, cache: KVCache, seq: int, num_q_heads, *, scale=None, window=None) -> "Decoder":
         """A decoder of the existing sequence ``seq`` of ``cache`` (a loaded snapshot's, say)."""
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache: expected a kvcache.KVCache, got {type(cache).__name__}")
+        check_cache(cache)
         cache.length(seq)                                        # names a bad id
         self = cls.__new__(cls)
         self._attach(cache, lambda: seq, num_q_heads, scale, window)
@@ -87,20 +83,10 @@ class Decoder:
 
     def _attach(self, cache: KVCache, new_seq, num_q_heads, scale, window) -> None:
         """Check the arguments, then take the sequence ``new_seq()`` (so a bad argument leaves the cache as it was)."""
-        cfg = cache.config
-        num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
-        if num_q_heads % cfg.num_kv_heads:
-            raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={cfg.num_kv_heads}, got {num_q_heads}")
-        if scale is None:
-            scale = 1.0 / np.sqrt(cfg.head_dim)
-        elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale: expected a finite float > 0, got {type(scale).__name__} {scale!r}")
-        elif not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
-        self.window = 0 if window is None else check_int("window", window, minimum=1)
+        num_q_heads, scale, self.window = check_decoder_args(cache.config, num_q_heads, scale, window)
         self.cache, self.seq = cache, new_seq()
         self.num_q_heads = num_q_heads
-        self.scale = float(scale)
+        self.scale = scale
         # what the Decoder API's other modules share (decoder_transaction, batch, attention_plan, distributed):
         self.inputs = InputChecks(cache, num_q_heads, self.scale)   # the input checks, ``q_dtype`` (`decode.inputs`)
         self.pools = LayerPools(cache)                          # per-layer page views (`decode.attention_plan`)
@@ -131,7 +117,7 @@ class Decoder:
         The lean path: one jitted input check, the cache's single-token slot, the write and one kernel call."""
         check_single_layer(self.config, "step")
         q, k, v = self.inputs.token(q, k, v)
-        token = self.cache.begin_token(self.seq, token_id=token_ids)
+        token = self.cache.transaction(self.seq, token_ids=token_ids)
         try:
             out = attend_token(self, token, 0, q, k, v)[0]
             token.commit()
@@ -177,13 +163,7 @@ class Decoder:
 
     def truncate(self, n: int) -> None:
         """Prefix invalidation: keep positions ``[0, n)``; later appends write from ``n``."""
-        n = check_int("n", n, maximum=self.length)
-        if self.window:
-            needed = max(0, n - self.window + 1)
-            if needed < self.cache.first_position(self.seq):
-                raise ValueError(f"n: expected >= {self.cache.first_position(self.seq) + self.window - 1} "
-                                 f"(K/V before position {self.cache.first_position(self.seq)} was released by the "
-                                 f"sliding window), got {n}")
+        n = check_truncate(n, self.length, self.window, self.cache.pool.first_position(self.seq))
         self.cache.truncate(self.seq, n)
 
     def fork(self) -> "Decoder":

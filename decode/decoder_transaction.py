@@ -1,8 +1,8 @@
 """`DecoderTransaction`: new tokens of one or more decoders (one pool), written and attended layer by layer.
 
-The cache's append transaction (`kvcache.transaction`: one protocol, the shape fitting the request: one token
-each -> `begin_tokens`, a `TokenWrite` for one decoder; anything larger -> `KVCache.transaction`) holds the slots,
-positions and page tables; what every layer shares is planned once (`decode.attention_plan`).
+The cache's append transaction (`KVCache.transaction`, one protocol, the shape fitting the request: one token
+each -> a list of sequences, a `TokenWrite` for one decoder; anything larger -> ``{seq: count}``) holds the
+slots, positions and page tables; what every layer shares is planned once (`decode.attention_plan`).
 """
 import numpy as np
 
@@ -42,7 +42,7 @@ class DecoderTransaction(CommitOnExit):
         self._token_plan = None         # the one-query path's plan (`attend_token`)
         # reserve (CacheFullError and bad ids leave everything as it was)
         if self._counts.count(1) == len(self._counts):          # one token each: the slot shapes
-            self._tx = self.cache.begin_tokens([d.seq for d in decoders], token_ids=token_ids)
+            self._tx = self.cache.transaction([d.seq for d in decoders], token_ids=token_ids)
         else:
             self._tx = self.cache.transaction(num_tokens, token_ids=token_ids)
         self._open = True

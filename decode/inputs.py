@@ -1,5 +1,11 @@
-"""Input validation of the `Decoder` paths: one decoder's checks (`InputChecks`) and the ragged / per-decoder
-forms of a batch (`check_tokens`).
+"""Input validation of the `Decoder` paths: one decoder's checks (`InputChecks`), the ragged / per-decoder
+forms of a batch (`check_tokens`), and the API's other arguments (the cache, heads, scale and window of a
+`Decoder`; the decoders, counts and token ids of a batch).
+
+Where else decode checks input: `decode.attention.paged_decode_attention` (the kernel entry's checked wrapper,
+whose one-pass check's codes are `decode.kernels.input_check.CheckCode`) and `decode.partial` (context
+sharding's partial attention and merge, the same kind of wrapper); state errors (a transaction used after it
+ended, a window's released positions) are raised where that state lives.
 
 Every check runs before anything is reserved; errors are ``"name: expected ..., got ..."`` naming the
 caller's argument (and, for the list form of a batch, its element: ``q[1]: ...``). Inputs must be finite
@@ -13,12 +19,13 @@ bound for float16 storage must satisfy |x| < 65520 (values from 65520 up round t
 exceed the compute dtype made the fastmath kernel return NaN, raise ZeroDivisionError, or return finite garbage.
 """
 import math
+import numbers
 
 import numpy as np
 from numba import njit
 
-from kvcache import quant
-from kvcache.checks import as_float_array, cast_to_storage, check_shape
+from kvcache import KVCache, quant
+from kvcache.checks import as_float_array, cast_to_storage, check_int, check_shape
 
 
 FLOAT16_OVERFLOW = 65520.0                      # smallest magnitude that rounds to inf in float16
@@ -146,7 +153,7 @@ class InputChecks:
         check_shape("v", v, self.v_shape, "[num_kv_heads, head_dim_v]")
         given = q, k, v                                # errors name the caller's values at the caller's [H, D] index
         q = cast_to_storage("q", q, self.q_dtype)
-        k, v = self.cache.check_storable("k", k), self.cache.check_storable("v", v)
+        k, v = self.cache.pool.check_storable("k", k), self.cache.pool.check_storable("v", v)
         check_magnitude("q", given[0], self.q_limit, self.q_dtype)
         self.kv_magnitude(*given[1:])
         return np.ascontiguousarray(q), k, v
@@ -159,7 +166,7 @@ class InputChecks:
         """``k [T, num_kv_heads, head_dim]``, ``v [T, num_kv_heads, head_dim_v]`` validated (`KVCache.check_kv`,
         then the magnitude limits) and cast to the storage dtype."""
         given = np.asarray(k), np.asarray(v)
-        k, v = self.cache.check_kv(*given, num_tokens, layered=False)
+        k, v = self.cache.pool.check_kv(*given, num_tokens, layered=False)
         self.kv_magnitude(*given)                     # float arrays of the right shape by now; named as given
         return k, v
 
@@ -221,3 +228,104 @@ def check_tokens(decoders, counts, q, k, v):
 def split_ragged(x: np.ndarray, counts) -> list:
     """``x [sum(counts), ...]`` -> a list of ``[counts[b], ...]`` views."""
     return np.split(x, np.cumsum(counts)[:-1])
+
+
+# -- the API's other arguments ------------------------------------------------------------------------------
+def check_cache(cache) -> KVCache:
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache: expected a kvcache.KVCache, got {type(cache).__name__}")
+    return cache
+
+
+def check_decoder_args(config, num_q_heads, scale, window) -> tuple[int, float, int]:
+    """A decoder's ``(num_q_heads, scale, window)`` over a pool of layout ``config``: num_q_heads a multiple of
+    num_kv_heads, scale a finite float > 0 (None: 1 / sqrt(head_dim)), window >= 1 (None: 0, no window)."""
+    num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
+    if num_q_heads % config.num_kv_heads:
+        raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={config.num_kv_heads}, got {num_q_heads}")
+    if scale is None:
+        scale = 1.0 / np.sqrt(config.head_dim)
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a finite float > 0, got {type(scale).__name__} {scale!r}")
+    elif not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+    return num_q_heads, float(scale), 0 if window is None else check_int("window", window, minimum=1)
+
+
+def check_truncate(n, length: int, window: int, first: int) -> int:
+    """``Decoder.truncate``'s ``n`` in ``[0, length]``; with a sliding window (``window`` > 0) also no shorter
+    than the window still reads (positions before ``first`` were released)."""
+    n = check_int("n", n, maximum=length)
+    if window and max(0, n - window + 1) < first:
+        raise ValueError(f"n: expected >= {first + window - 1} (K/V before position {first} was released by the "
+                         f"sliding window), got {n}")
+    return n
+
+
+def check_decoders(decoders, decoder_type: type) -> list:
+    """A batch's ``decoders``: a non-empty list (or tuple) of ``decoder_type`` over one cache, with one
+    num_q_heads / scale / window and distinct sequences."""
+    decoders = list(decoders) if isinstance(decoders, (list, tuple)) else decoders
+    if not isinstance(decoders, list) or not decoders or not all(isinstance(d, decoder_type) for d in decoders):
+        raise TypeError(f"decoders: expected a non-empty list of Decoder, got {decoders!r}")
+    first = decoders[0]
+    for d in decoders[1:]:
+        if d.cache is not first.cache:
+            raise ValueError("decoders: expected decoders sharing one cache (Decoder.on_cache), got several caches")
+        mine, theirs = (d.num_q_heads, d.scale, d.window), (first.num_q_heads, first.scale, first.window)
+        if mine != theirs:
+            raise ValueError(f"decoders: expected one num_q_heads/scale/window, got {theirs} and {mine}")
+    seqs = [d.seq for d in decoders]
+    if len(set(seqs)) != len(seqs):
+        raise ValueError(f"decoders: expected distinct sequences, got sequence ids {seqs}")
+    return decoders
+
+
+def check_batch_counts(decoders, num_tokens) -> dict:
+    """``{seq: count}`` of a batch: one each (``num_tokens`` None) or ``num_tokens[b] >= 0`` for decoder b."""
+    if num_tokens is None:
+        return {d.seq: 1 for d in decoders}
+    if isinstance(num_tokens, np.ndarray):
+        num_tokens = num_tokens.tolist()
+    if not isinstance(num_tokens, (list, tuple)) or len(num_tokens) != len(decoders):
+        raise ValueError(f"num_tokens: expected {len(decoders)} token counts (one per decoder), got {num_tokens!r}")
+    return {d.seq: check_int(f"num_tokens[{b}]", n) for b, (d, n) in enumerate(zip(decoders, num_tokens))}
+
+
+def list_counts(decoders, k) -> list[int]:
+    """The token counts of a batch's list form: T_b of each ``k[b] [T_b, num_kv_heads, head_dim]``."""
+    if not isinstance(k, (list, tuple)):
+        raise TypeError(f"k: expected a list of arrays (one per decoder) or num_tokens with ragged arrays, "
+                        f"got {type(k).__name__} and num_tokens=None")
+    if len(k) != len(decoders):
+        raise ValueError(f"k: expected {len(decoders)} arrays (one per decoder), got {len(k)}")
+    shapes = [np.shape(x) for x in k]
+    for b, shape in enumerate(shapes):
+        if len(shape) != 3:
+            raise ValueError(f"k[{b}]: expected shape [T, num_kv_heads, head_dim], got {shape}")
+    return [shape[0] for shape in shapes]
+
+
+def check_batch_token_ids(decoders, counts: dict, one_each: bool, token_ids):
+    """A batch's ``token_ids`` as {seq: ids} (None stays None): one id per decoder (``one_each``), else one
+    ``[T_b]`` array per decoder or a ragged ``[N]`` array (see `decode.batch.batch_transaction`)."""
+    if token_ids is None:
+        return None
+    seqs = [d.seq for d in decoders]
+    if one_each:
+        if np.ndim(token_ids) != 1 or len(token_ids) != len(seqs):
+            raise ValueError(f"token_ids: expected one token id per decoder ({len(seqs)}), got shape "
+                             f"{np.shape(token_ids)}")
+        return {seq: [token_ids[i]] for i, seq in enumerate(seqs)}
+    sizes = [counts[seq] for seq in seqs]
+    if isinstance(token_ids, (list, tuple)):
+        if len(token_ids) != len(seqs):
+            raise ValueError(f"token_ids: expected {len(seqs)} id arrays (one per decoder), got {len(token_ids)}")
+        for b, (ids, n) in enumerate(zip(token_ids, sizes)):
+            if np.ndim(ids) != 1 or len(ids) != n:
+                raise ValueError(f"token_ids[{b}]: expected {n} token ids, got shape {np.shape(ids)}")
+        return dict(zip(seqs, token_ids))
+    if np.ndim(token_ids) != 1 or len(token_ids) != sum(sizes):
+        raise ValueError(f"token_ids: expected {sum(sizes)} token ids (ragged, decoder 0's first), got shape "
+                         f"{np.shape(token_ids)}")
+    return dict(zip(seqs, split_ragged(np.asarray(token_ids), sizes)))

@@ -6,7 +6,7 @@ _log = logging.getLogger(__name__)
 
 def release_outside_window(decoder) -> None:
     """With a sliding window, give back the pages no future query can read (positions < length - window + 1)."""
-    if decoder.window and decoder.length - decoder.window + 1 > decoder.cache.first_position(decoder.seq):
+    if decoder.window and decoder.length - decoder.window + 1 > decoder.cache.pool.first_position(decoder.seq):
         decoder.cache.release_before(decoder.seq, decoder.length - decoder.window + 1)
 
 

@@ -1,7 +1,9 @@
 """kvcache: a preallocated, paged KV cache with transactional append, rollback, truncation and shared prefixes.
 
-Knows nothing of attention; `decode` reads it through this public API. The snapshot errors' subclasses are in
-`kvcache.errors`; test tooling (fault injection, the allocator, writable internals) in `kvcache.testing`.
+Knows nothing of attention; `decode` reads it through this public API: a user's operations on `KVCache`, the page
+arrays, page tables and storage checks the kernels need behind ``KVCache.pool`` (`kvcache.pool_view.PoolView`).
+The snapshot errors' subclasses are in `kvcache.errors`; test tooling (fault injection and hooks, the allocator,
+writable internals) in `kvcache.testing`; every argument check in `kvcache.checks`.
 """
 from .cache import KVCache, PrefixMatch
 from .config import CacheConfig

@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 
 from .cache import KVCache, core_of
-from .checks import check_int
+from .checks import check_instance, check_int
 
 __all__ = ["GIB", "MIB", "kv_bytes_formula", "kv_scale_bytes_formula", "cache_memory", "attention_kind"]
 
@@ -72,7 +72,7 @@ def cache_memory(cache: KVCache) -> dict:
 
     ``formula_bytes``          formula over the distinct token slots held (shared pages counted once)
     ``formula_bytes_logical``  formula over the sum of the sequences' held tokens (what no sharing would need)
-    ``allocated_bytes``        the preallocated K/V arrays (``KVCache.pool_nbytes``; virtual, lazily backed)
+    ``allocated_bytes``        the preallocated K/V arrays (``KVCache.pool.nbytes``; virtual, lazily backed)
     ``used_bytes``             pages taken from the free list (mapped by sequences or reserved by open
                                transactions) x bytes per page
     ``tail_waste_bytes``       ``used_bytes - formula_bytes``: slots of used pages that hold no token (mostly
@@ -83,8 +83,7 @@ def cache_memory(cache: KVCache) -> dict:
                                (``sys.getsizeof`` of the containers and ``nbytes`` of the arrays; the int
                                objects in Python lists are not counted separately)
     """
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache: expected a KVCache, got {type(cache).__name__}")
+    check_instance("cache", cache, KVCache, "a KVCache")
     cfg, core = cache.config, core_of(cache)
     with core.lock:                                         # one consistent snapshot
         alloc = core.allocator
@@ -107,7 +106,7 @@ def cache_memory(cache: KVCache) -> dict:
     distinct_tokens = sum(page_fill.values())
     formula = distinct_tokens * cfg.bytes_per_token
     used = pages_used * cfg.bytes_per_page
-    allocated = cache.pool_nbytes
+    allocated = cache.pool.nbytes
     return {
         "num_sequences": len(sequences),
         "logical_tokens": logical_tokens,

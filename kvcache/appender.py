@@ -10,7 +10,7 @@ from collections import Counter
 
 import numpy as np
 
-from .checks import as_float_array, check_shape
+from .checks import check_kv
 from .core import CacheCore
 from .journal import Journal
 from .sequence import Sequence
@@ -34,25 +34,8 @@ class Appender:
         self.core.fault_hook(point)
 
     def check_kv(self, k, v, num_tokens: int | None = None, *, layered: bool = True):
-        """Validate K/V and cast them to the storage dtype (finite after the cast); for int8 storage check them
-        finite and within `kvcache.quant.MAX_ABS` (`ScaleOverflowError`) and keep them float (writes quantize).
-
-        ``layered``: ``k [num_layers, T, num_kv_heads, head_dim]`` (``[T, ...]`` accepted for one layer);
-        otherwise one layer's ``k [T, num_kv_heads, head_dim]``. ``v`` likewise with ``head_dim_v``.
-        """
-        cfg = self.config
-        k, v = as_float_array("k", k), as_float_array("v", v)
-        if layered and k.ndim == 3 and cfg.num_layers == 1:
-            k, v = k[None], v[None] if v.ndim == 3 else v
-        lead, labels = ((cfg.num_layers,), "[num_layers, T, num_kv_heads, ") if layered else ((), "[T, num_kv_heads, ")
-        if num_tokens is None:
-            if k.ndim != len(lead) + 3:                    # no T to show: name it
-                shape = ", ".join(map(str, lead + ("T", cfg.num_kv_heads, cfg.head_dim)))
-                raise ValueError(f"k: expected shape {labels}head_dim] = ({shape}), got {k.shape}")
-            num_tokens = k.shape[len(lead)]
-        check_shape("k", k, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim), labels + "head_dim]")
-        check_shape("v", v, lead + (num_tokens, cfg.num_kv_heads, cfg.head_dim_v), labels + "head_dim_v]")
-        return self.pool.check("k", k), self.pool.check("v", v)
+        """`kvcache.checks.check_kv` for this cache's pool."""
+        return check_kv(self.config, self.pool.check, k, v, num_tokens, layered=layered)
 
     # -- reserving ------------------------------------------------------------------------------------------
     def reserve(self, num_tokens: dict[int, int], journal: Journal) -> list[Sequence]:

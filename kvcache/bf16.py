@@ -21,14 +21,13 @@ Public helpers (the cache's writes and the kernels' loaders use these; nothing e
 
     to_bits(x)              float16/32/64 array -> uint16 bits array (same shape)
     to_float32(bits)        uint16 bits array -> float32 array (exact)
-    check_storable(name, x) the validated bits of ``x`` (finite input that stays finite), errors naming ``name``
+    round_bits(x)           `to_bits` and the flat index of the first element that is not a finite bfloat16 (the
+                            check of `kvcache.checks.check_bf16_storable`)
     f32_bits_to_bf16(u)     jitted scalar: float32 bits (uint32) -> bfloat16 bits (an int), the rule above
     bf16_to_f32_bits(b)     jitted scalar: bfloat16 bits -> float32 bits (uint32)
 """
 import numpy as np
 from numba import njit
-
-from .checks import raise_not_storable
 
 NAME = "bfloat16"
 BITS_DTYPE = np.dtype(np.uint16)            # the element type of a bfloat16 pool
@@ -39,10 +38,10 @@ OVERFLOW = float(np.uint32(0x7f7f8000).view(np.float32))  # 3.3961775e38: from h
 
 def to_bits(x: np.ndarray) -> np.ndarray:
     """``x`` (float16 / float32 / float64, any shape) rounded to bfloat16: ``uint16`` bits, same shape."""
-    return _round(x)[0]
+    return round_bits(x)[0]
 
 
-def _round(x: np.ndarray) -> tuple[np.ndarray, int]:
+def round_bits(x: np.ndarray) -> tuple[np.ndarray, int]:
     """(`to_bits` of ``x``, flat index of the first element that is not a finite bfloat16 or -1): one jitted pass,
     no temporaries beyond the bits (and float64 input's float32 copy)."""
     x = np.asarray(x)
@@ -61,16 +60,6 @@ def to_float32(bits: np.ndarray) -> np.ndarray:
     if bits.dtype != BITS_DTYPE:
         raise TypeError(f"bits: expected uint16 bfloat16 bits, got dtype {bits.dtype}")
     return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def check_storable(name: str, x: np.ndarray) -> np.ndarray:
-    """The bfloat16 bits of the float array ``x``; ValueError naming ``name``, the element and its value for a
-    non-finite input or a finite one that rounds to inf in bfloat16 (``|x| >= OVERFLOW`` after float32)."""
-    bits, bad = _round(x)
-    if bad >= 0:                                                # inf or NaN after the rounding
-        index = tuple(int(i) for i in np.unravel_index(bad, bits.shape))
-        raise_not_storable(name, x[index], index, "bfloat16", f"{MAX:.8g}")
-    return bits
 
 
 @njit(cache=True, nogil=True, inline="always")

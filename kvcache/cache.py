@@ -24,7 +24,8 @@ while another thread truncates or frees that same sequence.
 
 Modules: the state and shared page bookkeeping (`kvcache.core`), appends (the cache side: `kvcache.appender`;
 the transaction protocol and its three shapes: `kvcache.transaction`), truncate / fork / free / release / prefix reuse
-(`kvcache.lifecycle`), invariants and fingerprints (`kvcache.integrity`), snapshot state (`kvcache.snapshot_state`).
+(`kvcache.lifecycle`), invariants and fingerprints (`kvcache.integrity`), snapshot state (`kvcache.snapshot_state`),
+the page-level view ``cache.pool`` (`kvcache.pool_view`), the argument checks (`kvcache.checks`).
 """
 import os
 from typing import NamedTuple
@@ -32,15 +33,16 @@ from typing import NamedTuple
 import numpy as np
 
 from . import integrity, lifecycle, snapshot, snapshot_state
-from .allocator import AllocatorView
 from .appender import Appender
-from .checks import check_int
+from .checks import (check_cache_options, check_counts, check_ids_among, check_instance, check_int, check_namespace,
+                     check_one_token_id, check_seq_list, check_token_id_each, check_token_ids, check_token_ids_of)
 from .config import CacheConfig
 from .core import CacheCore
 from .group import OpGroup
-from .prefix import PrefixIndex, check_namespace, check_token_ids
+from .pool_view import PoolView
+from .prefix import PrefixIndex
 from .sequence import Sequence
-from .transaction import TokenBatch, TokenWrite, Transaction
+from .transaction import AppendTransaction, TokenBatch, TokenWrite, Transaction
 
 
 class PrefixMatch(NamedTuple):
@@ -71,25 +73,15 @@ class KVCache:
 
     def __init__(self, *, num_kv_heads, head_dim, head_dim_v=None, num_layers=1, dtype="float32", page_size=16,
                  num_pages=None, max_tokens=None, prefix_caching=False, namespace="", prefix_salt=None):
-        if not isinstance(prefix_caching, (bool, np.bool_)):
-            raise TypeError(f"prefix_caching: expected a bool, got {type(prefix_caching).__name__} {prefix_caching!r}")
-        namespace = check_namespace("namespace", namespace)
-        if prefix_salt is not None and (not isinstance(prefix_salt, bytes) or len(prefix_salt) < 8):
-            raise TypeError(f"prefix_salt: expected None or bytes of length >= 8, got {prefix_salt!r}")
+        namespace = check_cache_options(prefix_caching, namespace, prefix_salt)
         self.config = cfg = CacheConfig.build(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                               head_dim_v=head_dim_v, page_size=page_size, num_pages=num_pages,
                                               max_tokens=max_tokens, dtype=dtype)
         salt = os.urandom(16) if prefix_salt is None else prefix_salt
         self._core = core = CacheCore(cfg, PrefixIndex(salt, repr(cfg)) if prefix_caching else None, namespace, salt)
-        self._pool = core.pool                     # the page arrays (values, int8 scales) and their byte operations
         self._lock = core.lock
-        self.allocator = AllocatorView(core.allocator)   # read-only: ref counts, free pages (tests, the scheduler)
+        self.pool = PoolView(core)       # the page arrays, page tables, input checks: kernels, decode, accounting
         self._appender = Appender(core)
-
-    @property
-    def index(self) -> PrefixIndex | None:
-        """The prefix index (prefix caching), else None."""
-        return self._core.index
 
     @property
     def namespace(self) -> str:
@@ -99,43 +91,6 @@ class KVCache:
     def prefix_caching(self) -> bool:
         return self._core.index is not None
 
-    # -- fault hook (tests) ------------------------------------------------------------------------------
-    @property
-    def fault_hook(self):
-        return self._core.fault_hook
-
-    @fault_hook.setter
-    def fault_hook(self, hook) -> None:
-        self._core.fault_hook = hook
-        self._core.allocator.fault_hook = hook
-
-    # -- read-only views ----------------------------------------------------------------------------------
-    def k_pages(self, layer: int = 0) -> np.ndarray:
-        """``[num_pages, num_kv_heads, page_size, head_dim]`` K pages of ``layer`` (a view; do not write)."""
-        return self._pool.k[check_int("layer", layer, maximum=self.config.num_layers - 1)]
-
-    def v_pages(self, layer: int = 0) -> np.ndarray:
-        """``[num_pages, num_kv_heads, page_size, head_dim_v]`` V pages of ``layer`` (a view; do not write)."""
-        return self._pool.v[check_int("layer", layer, maximum=self.config.num_layers - 1)]
-
-    def k_scales(self, layer: int = 0) -> np.ndarray | None:
-        """int8 storage: ``float16 [num_pages, num_kv_heads, page_size, ceil(head_dim / 32)]`` K scales of
-        ``layer`` (a view; do not write); None for the float dtypes."""
-        layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
-        return None if self._pool.k_scales is None else self._pool.k_scales[layer]
-
-    def v_scales(self, layer: int = 0) -> np.ndarray | None:
-        """int8 storage: ``float16 [num_pages, num_kv_heads, page_size, ceil(head_dim_v / 32)]`` V scales of
-        ``layer`` (a view; do not write); None for the float dtypes."""
-        layer = check_int("layer", layer, maximum=self.config.num_layers - 1)
-        return None if self._pool.v_scales is None else self._pool.v_scales[layer]
-
-    @property
-    def page_arrays(self) -> tuple[np.ndarray, ...]:
-        """Every preallocated page array, all layers: ``(k, v)``, and for int8 ``(k, v, k_scales, v_scales)``
-        (read-only use: memory accounting)."""
-        return self._pool.arrays
-
     @property
     def num_free_pages(self) -> int:
         """Pages an append can take: clean free pages plus cached (evictable) prefix pages."""
@@ -144,13 +99,7 @@ class KVCache:
     @property
     def num_cached_pages(self) -> int:
         """Registered pages no sequence references (evictable, kept for `match_prefix`)."""
-        return self.allocator.num_parked
-
-    @property
-    def pool_nbytes(self) -> int:
-        """Bytes of the preallocated K and V page arrays (int8: and their scales), all layers (virtual size:
-        lazily backed by the OS)."""
-        return self._pool.nbytes
+        return self._core.allocator.num_parked
 
     @property
     def sequences(self) -> tuple[int, ...]:
@@ -158,14 +107,6 @@ class KVCache:
 
     def length(self, seq: int) -> int:
         return self._sequence(seq).length
-
-    def page_table(self, seq: int) -> np.ndarray:
-        """``int32 [ceil(length / page_size)]`` physical page of each logical page (-1: released)."""
-        return self._sequence(seq).pages()
-
-    def first_position(self, seq: int) -> int:
-        """The first position whose K/V is still held (> 0 once a sliding window released pages)."""
-        return self._sequence(seq).first_live_page * self.config.page_size
 
     # -- sequences ----------------------------------------------------------------------------------------
     def create_sequence(self, *, namespace=None) -> int:
@@ -195,87 +136,43 @@ class KVCache:
         return self._core.sequence(seq)
 
     # -- append -------------------------------------------------------------------------------------------
-    def check_kv(self, k, v, num_tokens: int | None = None, *, layered: bool = True):
-        """Validate K/V and cast them to the storage dtype (finite after the cast); for int8 storage check them
-        finite and within `kvcache.quant.MAX_ABS` (`ScaleOverflowError`) and keep them float (writes quantize).
-
-        ``layered``: ``k [num_layers, T, num_kv_heads, head_dim]`` (``[T, ...]`` accepted for one layer);
-        otherwise one layer's ``k [T, num_kv_heads, head_dim]``. ``v`` likewise with ``head_dim_v``.
-        """
-        return self._appender.check_kv(k, v, num_tokens, layered=layered)
-
-    def check_storable(self, name: str, x: np.ndarray) -> np.ndarray:
-        """A float array of any shape validated for this pool's storage: cast to the storage dtype (finite after
-        the cast), or for int8 checked finite and within `kvcache.quant.MAX_ABS` and returned as given."""
-        return self._pool.check(name, x)
-
     def append(self, seq: int, k, v, *, token_ids=None) -> None:
         """Append T tokens to ``seq`` in every layer: ``k [num_layers, T, num_kv_heads, head_dim]``,
         ``v [num_layers, T, num_kv_heads, head_dim_v]`` (the leading axis may be dropped for one layer);
         ``token_ids [T]`` (optional) the tokens' ids, for prefix caching."""
-        k, v = self.check_kv(k, v)
+        k, v = self.pool.check_kv(k, v)
         ids = None if token_ids is None else {seq: token_ids}
         with self.transaction({seq: k.shape[1]}, token_ids=ids) as tx:
             for layer in range(self.config.num_layers):
                 tx.write(layer, seq, k[layer], v[layer], checked=True)
 
-    def transaction(self, num_tokens, *, token_ids=None) -> Transaction:
-        """Begin a `Transaction` appending ``num_tokens[seq]`` tokens to each sequence (a dict, or a sequence
-        id for one token). ``token_ids`` (optional): ``{seq: int ids [num_tokens[seq]]}`` for some or all of
-        them (for one sequence id: its ids). Pages are reserved now: `CacheFullError` (and every argument
-        error, checked first) is raised here, with nothing changed."""
-        if not isinstance(num_tokens, dict):
-            self._sequence(num_tokens)                # names a bad id (an unhashable one too) before it is a key
-            if token_ids is not None and not isinstance(token_ids, dict):
-                token_ids = {num_tokens: np.atleast_1d(token_ids) if np.ndim(token_ids) == 0 else token_ids}
-            num_tokens = {num_tokens: 1}
-        checked = {}
-        for seq, count in num_tokens.items():
-            self._sequence(seq)
-            checked[int(seq)] = check_int(f"num_tokens[{seq}]", count)
-        return Transaction(self._appender, checked, self._check_token_ids(token_ids, checked))
+    def transaction(self, tokens, *, token_ids=None) -> AppendTransaction:
+        """Begin an append transaction (`kvcache.transaction`: one protocol, the shape ``tokens`` asks for):
 
-    def _check_token_ids(self, token_ids, num_tokens: dict[int, int]) -> dict:
-        if token_ids is None:
-            return {}
-        if not isinstance(token_ids, dict):
-            raise TypeError(f"token_ids: expected a dict {{seq: token ids}}, got {type(token_ids).__name__}")
-        checked = {}
-        for seq, ids in token_ids.items():
-            if seq not in num_tokens:
-                raise ValueError(f"token_ids: expected keys among the transaction's sequences {sorted(num_tokens)}, "
-                                 f"got {seq!r}")
-            checked[int(seq)] = check_token_ids(f"token_ids[{seq}]", ids, num_tokens[seq])
-        return checked
+            {seq: count, ...}   ``count`` tokens of each sequence (`Transaction`); ``token_ids``: ``{seq: int
+                                ids [count]}`` for some or all of them
+            [seq, ...]          one token of each of these distinct sequences (`TokenBatch`; the batched decode
+                                step); ``token_ids``: ``{seq: id}`` for some or all of them
+            seq                 one token of one sequence (`TokenWrite`; the decode step); ``token_ids``: its id
+                                (an int or ``[1]``)
 
-    def begin_token(self, seq: int, *, token_id=None) -> "TokenWrite":
-        """Reserve position `length` of ``seq`` for one token (the decode-step path); see `TokenWrite`.
-        ``token_id`` (optional): the token's id, for prefix caching."""
-        ids = None if token_id is None else [check_token_ids("token_id", np.atleast_1d(token_id), 1)]
-        return TokenWrite(self._appender, [seq], ids)
+        ``token_ids`` are for prefix caching. Pages are reserved now: `CacheFullError` (and every argument error,
+        checked first) is raised here, with nothing changed."""
+        if isinstance(tokens, dict):
+            counts = check_counts(tokens, self._sequence)
+            return Transaction(self._appender, counts, check_token_ids_of(token_ids, counts))
+        if isinstance(tokens, (list, tuple)):
+            return self._one_token_each(tokens, token_ids)
+        if type(tokens) is not int:
+            self._sequence(tokens)                    # names a bad id (an unhashable one too)
+            tokens = int(tokens)
+        return TokenWrite(self._appender, [tokens], None if token_ids is None else [check_one_token_id(token_ids)])
 
-    def begin_tokens(self, seqs, *, token_ids=None) -> TokenBatch:
-        """Reserve position `length` of each of ``seqs`` (distinct sequence ids) for one token each (the batched
-        decode step); see `TokenBatch`. ``token_ids`` (optional): ``{seq: id}`` for some or all of them, for
-        prefix caching. `CacheFullError` (and every argument error, checked first) with nothing changed."""
+    def _one_token_each(self, seqs, token_ids) -> TokenBatch:
         if type(seqs) is list and len(seqs) == 1 and token_ids is None:     # the decode step: no more to check
             return TokenWrite(self._appender, seqs)
-        if not isinstance(seqs, (list, tuple)) or not seqs:
-            raise TypeError(f"seqs: expected a non-empty list of sequence ids, got {seqs!r}")
-        if not all(type(seq) is int for seq in seqs):         # plain ints: their ids are checked by `TokenBatch`
-            for seq in seqs:
-                self._sequence(seq)                           # names a bad id
-        if len(set(seqs)) != len(seqs):
-            raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
-        ids = None
-        if token_ids is not None:
-            if not isinstance(token_ids, dict):
-                raise TypeError(f"token_ids: expected a dict {{seq: token id}}, got {type(token_ids).__name__}")
-            ids = self._check_token_ids({seq: np.atleast_1d(i) for seq, i in token_ids.items()},
-                                        dict.fromkeys(map(int, seqs), 1))
-        seqs = [int(seq) for seq in seqs]
-        if ids is not None:
-            ids = [ids.get(seq) for seq in seqs]
+        seqs = check_seq_list("tokens", seqs, self._sequence)
+        ids = check_token_id_each(token_ids, seqs)
         return (TokenWrite if len(seqs) == 1 else TokenBatch)(self._appender, seqs, ids)
 
     # -- prefix reuse -------------------------------------------------------------------------------------
@@ -283,7 +180,7 @@ class KVCache:
         """A new sequence holding the longest cached prefix of ``token_ids [N]`` in whole pages, at most N - 1
         tokens (one is always left to compute); its pages are adopted (reference counts), none copied.
         Returns ``PrefixMatch(seq, num_tokens)``; append the remaining ``N - num_tokens`` tokens to ``seq``."""
-        if self.index is None:
+        if self._core.index is None:
             raise ValueError("match_prefix: expected a cache built with prefix_caching=True, got prefix_caching=False")
         ids = check_token_ids("token_ids", token_ids)
         namespace = self.namespace if namespace is None else check_namespace("namespace", namespace)
@@ -323,7 +220,7 @@ class KVCache:
             s = self._sequence(seq)
             pages = s.table[s.first_live_page: self.config.pages_for(s.length)]
             count = s.length - s.first_live_page * self.config.page_size
-        return self._pool.dense(layer, pages, count)
+        return self._core.pool.dense(layer, pages, count)
 
     # -- snapshots ----------------------------------------------------------------------------------------
     def save(self, path) -> int:
@@ -343,14 +240,10 @@ class KVCache:
         `CacheConfig` (`SnapshotConfigError` otherwise). ``sequences``: keep only these ids (the others are
         freed as by `free`, in id order). With every sequence the cache has the saved cache's
         ``fingerprint(include_free_pages=False)``."""
-        if config is not None and not isinstance(config, CacheConfig):
-            raise TypeError(f"config: expected a kvcache.CacheConfig or None, got {type(config).__name__}")
+        check_instance("config", config, CacheConfig, "a kvcache.CacheConfig or None", none_ok=True)
         state = snapshot.read(path, config)
         saved_ids = {s.seq for s in state.sequences}
-        keep = saved_ids if sequences is None else {int(check_int("sequences[]", seq)) for seq in sequences}
-        if not keep <= saved_ids:
-            raise ValueError(f"sequences: expected ids among the snapshot's {sorted(saved_ids)}, "
-                             f"got {sorted(keep - saved_ids)} not in it")
+        keep = saved_ids if sequences is None else check_ids_among("sequences", sequences, saved_ids)
         cfg = state.config
         cache = cls(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                     head_dim_v=cfg.head_dim_v, page_size=cfg.page_size, num_pages=cfg.num_pages, dtype=cfg.storage,

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import quant
-from .checks import BFLOAT16, check_int, check_storage_dtype, storage_array_dtype
+from .checks import BFLOAT16, check_int, check_pool_size, check_storage_dtype, storage_array_dtype
 
 
 @dataclass(frozen=True)
@@ -34,18 +34,14 @@ class CacheConfig:
               max_tokens=None, dtype="float32") -> "CacheConfig":
         """Check every argument; ``num_pages`` or ``max_tokens`` (rounded up to whole pages) sizes the pool."""
         page_size = check_int("page_size", page_size, minimum=1)
-        if (num_pages is None) == (max_tokens is None):
-            raise ValueError(f"num_pages/max_tokens: expected exactly one of them, "
-                             f"got num_pages={num_pages!r}, max_tokens={max_tokens!r}")
-        if num_pages is None:
-            num_pages = -(-check_int("max_tokens", max_tokens, minimum=1) // page_size)
+        num_pages = check_pool_size(num_pages, max_tokens, page_size)
         head_dim = check_int("head_dim", head_dim, minimum=1)
         return cls(num_layers=check_int("num_layers", num_layers, minimum=1),
                    num_kv_heads=check_int("num_kv_heads", num_kv_heads, minimum=1),
                    head_dim=head_dim,
                    head_dim_v=head_dim if head_dim_v is None else check_int("head_dim_v", head_dim_v, minimum=1),
                    page_size=page_size,
-                   num_pages=check_int("num_pages", num_pages, minimum=1),
+                   num_pages=num_pages,
                    dtype=storage_array_dtype(storage := check_storage_dtype("dtype", dtype)), storage=storage)
 
     @property

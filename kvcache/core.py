@@ -11,9 +11,8 @@ or None).
 """
 import threading
 
-import numpy as np
-
 from .allocator import PageAllocator
+from .checks import check_live_seq
 from .config import CacheConfig
 from .errors import CacheFullError
 from .faults import no_fault
@@ -42,14 +41,10 @@ class CacheCore:
 
     # -- sequences ----------------------------------------------------------------------------------------
     def sequence(self, seq) -> Sequence:
-        """The live sequence ``seq`` (TypeError for a non-integer id, ValueError for an unknown one)."""
-        if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)):
-            raise TypeError(f"seq: expected an integer sequence id, got {type(seq).__name__} {seq!r}")
-        try:
-            return self.sequences[int(seq)]
-        except KeyError:
-            raise ValueError(f"seq: expected a live sequence id {sorted(self.sequences)}, got {seq} "
-                             f"(freed or never created)") from None
+        """The live sequence ``seq`` (`kvcache.checks.check_live_seq`: TypeError for a non-integer id, ValueError
+        for an unknown one)."""
+        s = self.sequences.get(seq) if type(seq) is int else None     # the common case: one dict lookup
+        return s if s is not None else check_live_seq(seq, self.sequences)
 
     def idle_sequence(self, seq) -> Sequence:
         """`sequence`, and RuntimeError if it has an open transaction."""

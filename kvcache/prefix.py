@@ -21,10 +21,9 @@ import hashlib
 import heapq
 import json
 
-import numpy as np
+from .checks import TOKEN_DTYPE
 
 FORMAT_VERSION = 1
-TOKEN_DTYPE = np.dtype("<i4")          # token ids as hashed and stored: int32 little-endian, 0 <= id < 2**31
 
 
 def page_key(parent: bytes, tokens: bytes) -> bytes:
@@ -178,26 +177,3 @@ class PrefixIndex:
         assert set(self._stamps) == parked, (
             f"evictable pages {sorted(self._stamps)} != allocator's parked pages {sorted(parked)}")
         assert not parked & referenced, f"pages both referenced and evictable: {sorted(parked & referenced)}"
-
-
-def check_token_ids(name: str, token_ids, count: int | None = None) -> np.ndarray:
-    """``token_ids`` as ``int32 [count]`` (1-D integers in ``[0, 2**31)``; ``count`` None: any length >= 1)."""
-    array = np.asarray(token_ids)
-    if count is None and array.size == 0:
-        raise ValueError(f"{name}: expected at least one token id, got none")
-    if array.dtype.kind not in "iu" and not (array.size == 0 and array.ndim == 1):
-        raise TypeError(f"{name}: expected integer token ids, got dtype {array.dtype}")
-    if array.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D array of token ids, got shape {array.shape}")
-    if count is not None and len(array) != count:
-        raise ValueError(f"{name}: expected {count} token ids (one per appended token), got {len(array)}")
-    if len(array) and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
-        bad = array[(array < 0) | (array > np.iinfo(np.int32).max)][0]
-        raise ValueError(f"{name}: expected token ids in [0, {np.iinfo(np.int32).max}], got {bad}")
-    return array.astype(TOKEN_DTYPE, copy=False)
-
-
-def check_namespace(name: str, namespace) -> str:
-    if not isinstance(namespace, str):
-        raise TypeError(f"{name}: expected a str, got {type(namespace).__name__} {namespace!r}")
-    return namespace

@@ -21,13 +21,12 @@ The scale of a row depends on that row alone: appends stay O(1), a batched appen
 token-by-token appends, and a written row never changes when later rows arrive.
 
 Range: the largest float16 is 65504, so a group with ``max|x| > 127 * 65504`` (`MAX_ABS`, 8.3e6) has no
-scale; `check_quantizable` raises `ScaleOverflowError` (a ValueError naming the element) before anything
-changes. float16 rather than float32 scales: half the overhead (6.25% of the int8 bytes instead of 12.5%) and
-the rounding up costs at most one float16 ulp (2**-10 relative) of quantization step.
+scale; `kvcache.checks.check_quantizable` raises `ScaleOverflowError` (a ValueError naming the element)
+before anything changes. float16 rather than float32 scales: half the overhead (6.25% of the int8 bytes
+instead of 12.5%) and the rounding up costs at most one float16 ulp (2**-10 relative) of quantization step.
 """
 import numpy as np
 
-from .errors import ScaleOverflowError
 
 GROUP_SIZE = 32
 SCALE_DTYPE = np.dtype(np.float16)
@@ -55,7 +54,7 @@ def _grouped(x: np.ndarray) -> np.ndarray:
 
 def scales_for(x: np.ndarray) -> np.ndarray:
     """float16 ``[..., num_groups]``: each group's ``max|x| / 127`` rounded up to a float16 (finite input with
-    ``max|x| <= MAX_ABS`` assumed: see `check_quantizable`)."""
+    ``max|x| <= MAX_ABS`` assumed: see `kvcache.checks.check_quantizable`)."""
     peak = np.abs(_grouped(x)).max(axis=-1)                             # [..., num_groups] float64
     exact = peak / QMAX
     with np.errstate(over="ignore"):
@@ -69,7 +68,7 @@ def scales_for(x: np.ndarray) -> np.ndarray:
 
 
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``x [..., width]`` (float, finite, validated by `check_quantizable`) -> ``(q int8 [..., width],
+    """``x [..., width]`` (float, finite, validated by `kvcache.checks.check_quantizable`) -> ``(q int8 [..., width],
     scales float16 [..., num_groups])`` by the rule of the module docstring."""
     width = x.shape[-1]
     scale = scales_for(x)                                               # [..., G] float16
@@ -88,19 +87,3 @@ def dequantize(q: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarra
     width = q.shape[-1]
     step = np.repeat(scales.astype(np.float64), GROUP_SIZE, axis=-1)[..., :width]   # [..., width]
     return (q.astype(np.float64) * step).astype(dtype)
-
-
-def check_quantizable(name: str, x: np.ndarray) -> None:
-    """ValueError unless every element of ``x`` is finite; `ScaleOverflowError` (a ValueError) naming the first
-    element with ``|x| > MAX_ABS`` (its group's scale would not fit a float16)."""
-    limit = MAX_ABS if float(np.finfo(x.dtype).max) > MAX_ABS else np.inf     # float16 input never overflows a scale
-    with np.errstate(invalid="ignore"):
-        bad = ~(np.abs(x) <= limit)                                     # NaN too
-    if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
-        value = x[index]
-        if not np.isfinite(value):
-            raise ValueError(f"{name}: expected finite values, got {value} at index {index}")
-        raise ScaleOverflowError(
-            f"{name}: expected |x| <= {MAX_ABS:.0f} in int8 storage (a float16 scale per {GROUP_SIZE} values holds "
-            f"max|x| / {QMAX} <= 65504), got {value} at index {index}")

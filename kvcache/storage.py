@@ -18,7 +18,7 @@ widens to float32 (exact).
 import numpy as np
 
 from . import bf16, quant
-from .checks import cast_to_storage
+from .checks import check_storable
 from .config import CacheConfig
 from .jit_store import BFLOAT16, FLOAT16, as_f32_bits, scatter_kv, scatter_kv_bits, store_token_bits
 from .journal import Journal
@@ -52,15 +52,8 @@ class PagePool:
         return sum(a.nbytes for a in self.arrays)
 
     def check(self, name: str, x: np.ndarray) -> np.ndarray:
-        """A float array validated for storage: cast to the storage dtype (finite after the cast; bfloat16: its
-        uint16 bits, `bf16.check_storable`), or for int8 checked finite and within `quant.MAX_ABS` and returned as
-        given (the write quantizes)."""
-        if self.quantized:
-            quant.check_quantizable(name, x)
-            return x
-        if self.bf16:
-            return bf16.check_storable(name, x)
-        return cast_to_storage(name, x, self.config.dtype)
+        """``x`` validated for this pool's storage (`kvcache.checks.check_storable`)."""
+        return check_storable(self.config, name, x)
 
     def stored(self, x: np.ndarray) -> np.ndarray:
         """Checked rows as the pool's elements: for bfloat16 float input rounded to its bits (bits pass as they

@@ -8,16 +8,17 @@ internals a test paints, corrupts or watches.
     allocator(cache) -> PageAllocator   the cache's own allocator (record or wrap `allocate`, corrupt it)
     sequence_record(cache, seq)         the live `kvcache.sequence.Sequence` record (corruption tests)
     lock(cache)                         the cache's re-entrant metadata lock (a consistent look at records)
+    set_fault_hook(cache, hook)         call ``hook(point)`` at every fault point of the cache (``no_fault``: none)
     set_free_list(allocator, pages), set_ref_count(allocator, page, count)   corrupt an allocator on purpose
 """
 from .allocator import PageAllocator
 from .cache import KVCache, core_of
 from .errors import InjectedFault
-from .faults import FaultInjector
+from .faults import FaultInjector, no_fault
 from .sequence import Sequence
 
-__all__ = ["FaultInjector", "InjectedFault", "PageAllocator", "pool_arrays", "allocator", "sequence_record", "lock",
-           "set_free_list", "set_ref_count"]
+__all__ = ["FaultInjector", "InjectedFault", "PageAllocator", "no_fault", "pool_arrays", "allocator", "sequence_record",
+           "lock", "set_fault_hook", "set_free_list", "set_ref_count"]
 
 
 def pool_arrays(cache: KVCache) -> tuple:
@@ -36,6 +37,12 @@ def sequence_record(cache: KVCache, seq: int) -> Sequence:
 
 def lock(cache: KVCache):
     return core_of(cache).lock
+
+
+def set_fault_hook(cache: KVCache, hook) -> None:
+    """Make ``cache`` (and its allocator) call ``hook(point)`` at each fault point (`kvcache.faults`)."""
+    core = core_of(cache)
+    core.fault_hook = core.allocator.fault_hook = hook
 
 
 def set_free_list(alloc: PageAllocator, pages) -> None:

@@ -317,7 +317,7 @@ def _memory_figures(res: DemoResult, dec, cfg: DemoConfig) -> None:
     res.formula_bytes = kv_bytes(cfg.layers, 1, dec.length, cfg.num_kv_heads, cfg.head_dim,
                                  cfg_cache.dtype.itemsize)
     res.used_page_bytes = res.pages_used * cfg_cache.bytes_per_page
-    res.pool_bytes = dec.cache.k_pages(0).nbytes * cfg.layers * 2
+    res.pool_bytes = dec.cache.pool.k_pages(0).nbytes * cfg.layers * 2
 
 
 def _checks(res: DemoResult, bytes_per_page: int) -> dict:

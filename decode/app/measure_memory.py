@@ -168,7 +168,7 @@ def _build_and_fill(shape: dict, measure: bool) -> dict:
     result = {"accounting": cache_memory(cache)}
     if measure:
         result["rss"] = {key: value - rss["base"] for key, value in rss.items() if key != "base"}
-        result["pool_resident"] = resident_in(cache.page_arrays)
+        result["pool_resident"] = resident_in(cache.pool.arrays)
     return result
 
 

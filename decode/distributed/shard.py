@@ -26,6 +26,7 @@ from decode.partial import partial_attention
 from kvcache import KVCache
 from kvcache.errors import InjectedFault
 from kvcache.faults import FaultInjector, no_fault
+from kvcache.testing import set_fault_hook
 
 
 class Shard:
@@ -115,9 +116,9 @@ class Shard:
             tx.write(layer, seq, k, v, checked=True)
         if q is None:
             return None
-        pages = tx.pages(seq) if tx is not None else self.cache.page_table(seq)
+        pages = tx.pages(seq) if tx is not None else self.cache.pool.page_table(seq)
         hi = np.asarray(query_hi, dtype=np.int64)
-        return partial_attention(q, self.cache.k_pages(layer), self.cache.v_pages(layer), pages,
+        return partial_attention(q, self.cache.pool.k_pages(layer), self.cache.pool.v_pages(layer), pages,
                                  np.zeros_like(hi), hi, self.scale)
 
     def commit(self, txid: int) -> None:
@@ -127,14 +128,14 @@ class Shard:
             if tx is not None:
                 tx.commit()
         finally:
-            self.cache.fault_hook = no_fault
+            set_fault_hook(self.cache, no_fault)
 
     def rollback(self, txid: int) -> None:
         """End ``txid`` undoing its writes (a no-op for an unknown or finished id)."""
         entry = self.open.pop(txid, None)
         if entry is not None and entry[0] is not None:
             entry[0].rollback()
-        self.cache.fault_hook = no_fault
+        set_fault_hook(self.cache, no_fault)
 
     # -- recovery -------------------------------------------------------------------------------------------
     def save(self, path: str) -> dict:
@@ -181,7 +182,7 @@ class Shard:
     def _arm_injector(self) -> None:
         if self.fault and self.fault[0] in ("inject", "inject_at"):
             action, argument = self.fault
-            self.cache.fault_hook = FaultInjector(fail_at=argument) if action == "inject" else _FailAt(argument)
+            set_fault_hook(self.cache, FaultInjector(fail_at=argument) if action == "inject" else _FailAt(argument))
             self.fault = None
 
     def _fault_point(self, where: str) -> None:

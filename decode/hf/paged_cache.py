@@ -406,7 +406,7 @@ class PagedCache(Cache):
         with self.pool.group():
             for seq in self._seqs:
                 keep_from = self.pool.length(seq) - window + 1
-                if keep_from > self.pool.first_position(seq):
+                if keep_from > self.pool.pool.first_position(seq):
                     self.pool.release_before(seq, keep_from)
 
     # -- rollback, beams, forks -----------------------------------------------------------------------------
@@ -438,7 +438,7 @@ class PagedCache(Cache):
         lengths = self._cols.lengths_after_crop(columns)
         window = self.layout.release_window
         for seq, n in zip(self._seqs, lengths):
-            first, needed = self.pool.first_position(seq), max(0, int(n) - window + 1) if window else 0
+            first, needed = self.pool.pool.first_position(seq), max(0, int(n) - window + 1) if window else 0
             if needed < first:
                 raise ValueError(f"tokens_to_remove: the sliding window already released positions < {first} of a "
                                  f"row, so it cannot go back to length {n} (call activate_past_recording() before "

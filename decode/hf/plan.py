@@ -28,7 +28,7 @@ import numba
 import numpy as np
 import torch
 
-from decode.attention_plan import MIN_RUN, AttentionPlan, LayerPools, raise_released
+from decode.attention_plan import AttentionPlan, LayerPools, raise_released, route_min_run
 from decode.kernels.input_check import CheckCode, check_inputs
 
 from . import layer_tensors, query_chunks
@@ -67,7 +67,7 @@ class ForwardPlan:
         # one new token in every row (a decode step): a `kvcache.TokenBatch`, one scatter per layer for all rows
         self.one_each = bool((counts == 1).all()) and self.width == 1
         if self.one_each:                                                      # CacheFullError: nothing changed
-            self.tx = pool.begin_tokens(list(seqs), token_ids=ids)
+            self.tx = pool.transaction(list(seqs), token_ids=ids)
         else:
             self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)}, token_ids=ids)
         try:
@@ -138,7 +138,7 @@ class ForwardPlan:
                              f"got shape {tuple(query.shape)}")
         self._shape = (num_q_heads, cfg.head_dim)
         dv = cfg.head_dim_v
-        single = self.width < MIN_RUN
+        single = self.width < route_min_run(num_q_heads // cfg.num_kv_heads, cfg.head_dim, self.pools.storage)
         limit = query_chunks.chunk_limit(int(self.query_pos.max(initial=0)), num_q_heads, cfg.head_dim, dv,
                                          num_q_heads // cfg.num_kv_heads, self.compute.itemsize, single=single)
         self._chunks = query_chunks.chunks(self.first, self.width, limit)
@@ -195,7 +195,7 @@ class ForwardPlan:
             k_bits, v_bits = bits and key.dtype == torch.bfloat16, bits and value.dtype == torch.bfloat16
             k, v = layer_tensors.token_rows(key, k_bits), layer_tensors.token_rows(value, v_bits)
             if not (k_bits and v_bits):
-                k, v = self.pool.check_kv(k, v, self.batch, layered=False)
+                k, v = self.pool.pool.check_kv(k, v, self.batch, layered=False)
             self.tx.write(layer, k, v)
             return
         for b, seq, columns in self.kv_rows:

@@ -9,12 +9,13 @@ within `CHUNK_BYTES`, whatever the prompt length.
 Row b's queries are its columns ``first[b] .. width - 1`` (the columns at or after its first real token), in
 row order: the flat layout of `decode.hf.plan.ForwardPlan`. A chunk holds several rows only when each of them
 is whole (``first == 0``); a longer row is cut every `limit` columns from its first query, `limit` a multiple
-of the tiled kernel's tile (`decode.attention_plan.TILE_ROWS` // group), and a tail shorter than `MIN_RUN`
-stays with the piece before it, so the tiles of a run of queries are the ones one call would make.
+of the tiled kernel's tile (`decode.attention_plan.TILE_ROWS` // group), and a tail shorter than
+`LONGEST_MIN_RUN` (from that length on every shape's run is tiled) stays with the piece before it, so the
+tiles of a run of queries, and its kernel, are the ones one call would make.
 """
 import numpy as np
 
-from decode.attention_plan import MIN_RUN, SPLIT_TOKENS, TILE_ROWS, TILED_SPLIT
+from decode.attention_plan import LONGEST_MIN_RUN, SPLIT_TOKENS, TILE_ROWS, TILED_SPLIT
 
 CHUNK_BYTES = 8 << 20       # a call's queries, outputs and split-K workspace together (compute dtype)
 
@@ -46,7 +47,7 @@ def chunks(first: np.ndarray, width: int, limit: int) -> list[tuple[int, int, in
         t = int(first[b])
         while t < width:
             t1 = min(width, t + limit)
-            if width - t1 < MIN_RUN:
+            if width - t1 < LONGEST_MIN_RUN:
                 t1 = width
             out.append((b, b + 1, t, t1, q0))
             q0 += t1 - t

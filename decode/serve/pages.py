@@ -50,10 +50,8 @@ class PagePool:
         length = request.num_computed
         need = self.pages_for(length + count) - self.pages_for(length)
         if length % self.page_size and request.decoder is not None:
-            last = int(self.cache.page_table(request.decoder.seq)[length // self.page_size])
-            index = self.cache.index
-            if self.cache.allocator.ref_count(last) > 1 or (index is not None and index.holds(last)):
-                need += 1
+            last = int(self.cache.pool.page_table(request.decoder.seq)[length // self.page_size])
+            need += int(self.cache.pool.needs_copy(last))
         return need
 
     # -- sequences --------------------------------------------------------------------------------------------
@@ -77,7 +75,7 @@ class PagePool:
 
     # -- counters, checks -------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        clean = self.cache.allocator.num_free_pages
+        clean = self.cache.pool.allocator.num_free_pages
         return {"pages_total": self.num_pages, "pages_in_use": self.num_pages - clean,
                 "prefix_cached_pages": self.cache.num_cached_pages}
 

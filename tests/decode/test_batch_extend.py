@@ -39,7 +39,7 @@ def check_against_reference(dec, q, out, layer=0):
     if not len(q):
         return
     K, V = (x.astype(np.float64) for x in dec.kv(layer))
-    first = dec.cache.first_position(dec.seq)
+    first = dec.cache.pool.first_position(dec.seq)
     start = dec.length - len(q)
     if start < first:            # a window released the oldest keys since: judge the queries that need none
         skip = first - start + (dec.window - 1 if dec.window else 0)

@@ -228,7 +228,7 @@ def test_window_truncate_before_released_positions_is_rejected():
     dec = make("float64", window=2, max_tokens=32)
     q, k, v = tokens(rng, 12, dec)
     dec.extend(q, k, v)
-    first = dec.cache.first_position(dec.seq)
+    first = dec.cache.pool.first_position(dec.seq)
     assert first > 0
     before = dec.cache.fingerprint()
     with pytest.raises(ValueError, match="n: expected >="):

@@ -118,17 +118,17 @@ def test_begin_tokens_refuses_bad_sequence_lists_unchanged():
     cache = KVCache(num_kv_heads=2, head_dim=8, page_size=4, num_pages=8)
     a, b = cache.create_sequence(), cache.create_sequence()
     before = cache.fingerprint()
-    with pytest.raises(ValueError, match="^seqs: expected distinct"):
-        cache.begin_tokens([a, b, a])
+    with pytest.raises(ValueError, match="^tokens: expected distinct"):
+        cache.transaction([a, b, a])
     with pytest.raises(ValueError, match="^seq: expected a live sequence id"):
-        cache.begin_tokens([a, 9])
-    with pytest.raises(TypeError, match="^seqs: expected a non-empty list"):
-        cache.begin_tokens([])
+        cache.transaction([a, 9])
+    with pytest.raises(TypeError, match="^tokens: expected a non-empty list"):
+        cache.transaction([])
     with pytest.raises(ValueError, match="token_ids"):
-        cache.begin_tokens([a, b], token_ids={7: 3})
-    tx = cache.begin_tokens([a, b])
+        cache.transaction([a, b], token_ids={7: 3})
+    tx = cache.transaction([a, b])
     with pytest.raises(RuntimeError, match="^seq: expected a sequence with no open transaction"):
-        cache.begin_tokens([b])
+        cache.transaction([b])
     tx.rollback()
     assert cache.fingerprint() == before
 
@@ -209,5 +209,5 @@ def test_batch_step_with_token_ids_registers_pages_like_a_loop_of_steps():
         ref = np.stack([d.step(q[b], k[b], v[b], token_ids=int(ids[b])) for b, d in enumerate(loop)])
         close(out, ref, "float32")
         assert c1.fingerprint() == c2.fingerprint()                 # same registered pages, chains and ids
-    assert len(c1.index.entries()) > 0
+    assert len(c1.pool.index.entries()) > 0
     c1.check_invariants()

@@ -8,7 +8,7 @@ import pytest
 from decode import Decoder, batch_extend, batch_step
 from kvcache import CacheFullError, KVCache, bf16
 from kvcache.faults import no_fault
-from kvcache.testing import FaultInjector, InjectedFault
+from kvcache.testing import FaultInjector, InjectedFault, set_fault_hook
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -175,19 +175,20 @@ def test_a_fault_at_every_point_changes_nothing(dtype, op):
                     else tx.extend(layer, q[layer], k[layer], v[layer]) for layer in range(2)]
 
     cache, dec, inputs = build()
-    cache.fault_hook = counter = FaultInjector()
+    counter = FaultInjector()
+    set_fault_hook(cache, counter)
     expected = run(dec, inputs)
-    cache.fault_hook = no_fault
+    set_fault_hook(cache, no_fault)
     expected_fp = cache.fingerprint()
     assert "write_k" in counter.points and "cow_copy" in counter.points
     for i, point in enumerate(counter.points):
         cache, dec, inputs = build()
         before = cache.fingerprint()
-        cache.fault_hook = FaultInjector(fail_at=i)
+        set_fault_hook(cache, FaultInjector(fail_at=i))
         with pytest.raises(InjectedFault):
             run(dec, inputs)
         assert cache.fingerprint() == before, f"fault #{i} at {point!r} changed the cache"
-        cache.fault_hook = no_fault
+        set_fault_hook(cache, no_fault)
         again = run(dec, inputs)
         assert all(a.tobytes() == b.tobytes() for a, b in zip(again, expected)) and cache.fingerprint() == expected_fp
 
@@ -219,4 +220,4 @@ def test_a_prefix_hit_computes_what_the_full_prompt_computes(dtype):
     rest = second.extend(q[hit:], k[hit:], v[hit:], token_ids=ids[hit:])
     np.testing.assert_allclose(rest, full[hit:], rtol=0, atol=2e-6)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(second.kv(), first.kv()))
-    assert (second.cache.page_table(second.seq)[:2] == first.cache.page_table(first.seq)[:2]).all()   # adopted
+    assert (second.cache.pool.page_table(second.seq)[:2] == first.cache.pool.page_table(first.seq)[:2]).all()   # adopted

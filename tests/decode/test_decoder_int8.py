@@ -87,7 +87,7 @@ def test_fork_truncate_and_window():
 
     win = make(window=6, max_tokens=128)
     outs = np.array([win.step(q[i], k[i], v[i]) for i in range(30)])
-    assert win.cache.first_position(win.seq) > 0
+    assert win.cache.pool.first_position(win.seq) > 0
     full = make(max_tokens=128)
     full.append(k, v)
     K, V = full.kv()
@@ -158,7 +158,7 @@ def test_largest_accepted_value_and_full_pool():
     q, k, v = tokens(rng, 9, dec)
     k[0, 0, 0] = quant.MAX_ABS                              # accepted: its scale is exactly 65504
     dec.step(q[0].astype(np.float32), k[0].astype(np.float32), v[0])
-    assert float(dec.cache.k_scales()[dec.cache.page_table(dec.seq)[0], 0, 0, 0]) == 65504.0
+    assert float(dec.cache.pool.k_scales()[dec.cache.pool.page_table(dec.seq)[0], 0, 0, 0]) == 65504.0
     dec.append(k[1:8], v[1:8])
     before = dec.cache.fingerprint()
     with pytest.raises(CacheFullError):

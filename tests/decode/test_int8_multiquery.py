@@ -176,7 +176,7 @@ def test_decoder_prefill_then_extend(window, reduced_grid):
     out1 = dec.extend(q[n0:], k[n0:], v[n0:])                  # extend after a cache
     # every row is quantized on its own on write: the dequantized K/V of all positions (a window releases pages)
     K, V = (quant.dequantize(*quant.quantize(x.astype(np.float64)), np.float64) for x in (k, v))
-    first = dec.cache.first_position(dec.seq)
+    first = dec.cache.pool.first_position(dec.seq)
     for held, full in zip(dec.kv(), (K, V)):
         np.testing.assert_array_equal(held, full[first:])
     assert out0.dtype == out1.dtype == np.float32

@@ -30,7 +30,7 @@ def test_split_ranges_merge_to_the_reference(dtype, heads, kv_heads):
     positions = np.array([0, 5, 20, 36])                               # each query reads keys 0..p
     q = rng.standard_normal((len(positions), heads, dim)).astype(compute)
     cuts = [0, 8, 9, 24, length]                                       # holders of [0,8), [8,9), [9,24), [24,37)
-    parts = [partial_attention(q, cache.k_pages(), cache.v_pages(), cache.page_table(seq),
+    parts = [partial_attention(q, cache.pool.k_pages(), cache.pool.v_pages(), cache.pool.page_table(seq),
                                np.minimum(positions + 1, a), np.minimum(positions + 1, b), 1 / np.sqrt(dim))
              for a, b in zip(cuts, cuts[1:])]
     out = merge_partials(*(np.stack([p[i] for p in parts]) for i in range(3)), kv_heads)
@@ -47,7 +47,7 @@ def test_empty_range_is_neutral_and_an_all_empty_query_is_refused():
     rng = np.random.default_rng(1)
     cache, seq = filled(rng, "float32", 8, 2, 4)
     q = rng.standard_normal((1, 2, 4)).astype(np.float32)
-    args = (q, cache.k_pages(), cache.v_pages(), cache.page_table(seq))
+    args = (q, cache.pool.k_pages(), cache.pool.v_pages(), cache.pool.page_table(seq))
     m, l, acc = partial_attention(*args, [3], [3], 0.5)
     assert np.isneginf(m).all() and (l == 0).all() and (acc == 0).all()
     full = partial_attention(*args, [0], [8], 0.5)

@@ -19,6 +19,7 @@ from decode.distributed import start_local_ray, stop_local_ray  # noqa: E402
 from kvcache import KVCache  # noqa: E402
 from kvcache.errors import InjectedFault  # noqa: E402
 from kvcache.faults import FaultInjector  # noqa: E402
+from kvcache.testing import set_fault_hook  # noqa: E402
 
 ARGS = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4, max_tokens=32)
 BOUND_S = 15.0          # a loss is reported well within this (the timeout test's timeout is 3 s)
@@ -127,10 +128,10 @@ def test_error_inside_a_worker_is_the_single_process_error(twin):
     with pytest.raises(InjectedFault) as got:
         twin.sharded.step(q, k, v)
     if twin.exact:                                           # head shard 0 runs the single process's operations
-        twin.single.cache.fault_hook = FaultInjector(fail_at=0)
+        set_fault_hook(twin.single.cache, FaultInjector(fail_at=0))
         with pytest.raises(InjectedFault) as want:
             twin.single.step(q, k, v)
-        twin.single.cache.fault_hook = FaultInjector()
+        set_fault_hook(twin.single.cache, FaultInjector())
         assert (type(got.value), str(got.value)) == (type(want.value), str(want.value))
     assert str(got.value).startswith("injected fault #0 at ")
     assert twin.sharded.worker_states() == before            # both workers as before: nothing to recover

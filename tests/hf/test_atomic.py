@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from decode.hf import PagedCache
 from kvcache import CacheFullError
-from kvcache.testing import FaultInjector, InjectedFault
+from kvcache.testing import FaultInjector, InjectedFault, set_fault_hook
 from kvcache.faults import no_fault
 
 from .models import model_pair, prompts
@@ -90,19 +90,20 @@ def test_cache_full_mid_generation_says_what_fits(gqa):
 def sweep(build_case, op):
     """The protocol of the module docstring; returns the fault points of ``op``."""
     cache, ctx = build_case()
-    cache.pool.fault_hook = counter = FaultInjector()
+    counter = FaultInjector()
+    set_fault_hook(cache.pool, counter)
     op(cache, ctx)
-    cache.pool.fault_hook = no_fault
+    set_fault_hook(cache.pool, no_fault)
     expected = state(cache)
     points = list(counter.points)
     assert points, "the entry point passed no fault point"
     for i, point in enumerate(points):
         cache, ctx = build_case()
         before = state(cache)
-        cache.pool.fault_hook = FaultInjector(fail_at=i)
+        set_fault_hook(cache.pool, FaultInjector(fail_at=i))
         with pytest.raises(InjectedFault, match=f"^injected fault #{i} at '{point}'$"):
             op(cache, ctx)
-        cache.pool.fault_hook = no_fault
+        set_fault_hook(cache.pool, no_fault)
         assert state(cache) == before, f"fault #{i} at {point!r} changed the cache"
         cache.pool.check_invariants()
         op(cache, ctx)
@@ -175,17 +176,18 @@ def test_sweep_match_prefix(gqa):
         cache.reset()
         return cache, None
     cache, _ = case()
-    cache.pool.fault_hook = counter = FaultInjector()
+    counter = FaultInjector()
+    set_fault_hook(cache.pool, counter)
     cache.match_prefix(ids)
     points = list(counter.points)
     assert points
     for i in range(len(points)):
         cache, _ = case()
         before = state(cache)
-        cache.pool.fault_hook = FaultInjector(fail_at=i)
+        set_fault_hook(cache.pool, FaultInjector(fail_at=i))
         with pytest.raises(InjectedFault):
             cache.match_prefix(ids)
-        cache.pool.fault_hook = no_fault
+        set_fault_hook(cache.pool, no_fault)
         assert state(cache) == before
         assert cache.match_prefix(ids) == 12 and cache.lengths() == [12, 12]
 
@@ -204,9 +206,9 @@ def test_fault_after_commit_keeps_the_forward_and_releases_later():
         seen.append(point)
         if point == "decref" and seen.count("decref") == 1:
             raise InjectedFault("injected")
-    cache.pool.fault_hook = fail_first_release
+    set_fault_hook(cache.pool, fail_first_release)
     got = forward(model, ids[:, 13:14], mask[:, :14], cache)
-    cache.pool.fault_hook = no_fault
+    set_fault_hook(cache.pool, no_fault)
     torch.testing.assert_close(got, forward(ref, ids[:, 13:14], mask[:, :14], dyn), atol=1e-10, rtol=1e-10)
     assert "decref" in seen and cache.lengths() == [14] and cache.stats["deferred_releases"] == 1
     kept = cache.pool.config.num_pages - cache.pool.num_free_pages

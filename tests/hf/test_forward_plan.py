@@ -119,7 +119,7 @@ def test_a_bad_later_layer_raises_before_it_writes(bad):
     plan = ForwardPlan(pool, seqs, np.ones((2, 5), dtype=bool))
     plan.run_layer(0, *_tensors(2, 5, seed=0), None, 0)
     written = len(points.points)
-    before = [pool.k_pages(1).copy(), pool.v_pages(1).copy()]
+    before = [pool.pool.k_pages(1).copy(), pool.pool.v_pages(1).copy()]
     q, k, v = _tensors(2, 5, seed=1)
     scale = None
     if bad == "q heads":
@@ -139,7 +139,7 @@ def test_a_bad_later_layer_raises_before_it_writes(bad):
     with pytest.raises((ValueError, TypeError)) as err:
         plan.run_layer(1, q, k, v, scale, 0)
     assert len(points.points) == written                              # no fault point passed: nothing written
-    assert all(np.array_equal(a, b) for a, b in zip(before, (pool.k_pages(1), pool.v_pages(1))))
+    assert all(np.array_equal(a, b) for a, b in zip(before, (pool.pool.k_pages(1), pool.pool.v_pages(1))))
     expected = {"q nan": "query: expected finite values, got nan at index (1, 3, 4, 5)",
                 "k inf": "key: expected finite values, got inf at index (0, 1, 2, 3)"}
     assert expected.get(bad, "expected") in str(err.value)

@@ -11,7 +11,7 @@ import pytest
 import kvcache
 from kvcache import bf16, quant
 from kvcache.faults import no_fault
-from kvcache.testing import FaultInjector, InjectedFault
+from kvcache.testing import FaultInjector, InjectedFault, set_fault_hook
 
 
 def make_cache(*, num_layers=1, num_kv_heads=2, head_dim=3, head_dim_v=None, page_size=4, num_pages=8,
@@ -102,7 +102,7 @@ def assert_matches_model(cache: kvcache.KVCache, model: DenseModel, seqs=None) -
     """Every sequence's length, first position and gathered K/V (all layers) equal the model bit for bit."""
     for seq in (model.k if seqs is None else seqs):
         assert cache.length(seq) == model.length(seq), f"seq {seq}: length"
-        assert cache.first_position(seq) == model.first[seq], f"seq {seq}: first position"
+        assert cache.pool.first_position(seq) == model.first[seq], f"seq {seq}: first position"
         for layer in range(cache.config.num_layers):
             k, v = cache.gather(seq, layer)
             ek, ev = model.dense(seq, layer)
@@ -127,9 +127,10 @@ def enumerate_faults(build, op):
     cache): a counting run lists the points, then each one fails in turn (InjectedFault, the cache unchanged,
     invariants hold) and a retry without faults equals the clean run. Returns the list of fault points."""
     cache, ctx = build()
-    cache.fault_hook = counter = FaultInjector()
+    counter = FaultInjector()
+    set_fault_hook(cache, counter)
     op(cache, ctx)
-    cache.fault_hook = no_fault
+    set_fault_hook(cache, no_fault)
     expected = cache.fingerprint()
     cache.check_invariants()
     points = list(counter.points)
@@ -137,13 +138,13 @@ def enumerate_faults(build, op):
     for i, point in enumerate(points):
         cache, ctx = build()
         before, free = cache.fingerprint(), cache.num_free_pages
-        cache.fault_hook = FaultInjector(fail_at=i)
+        set_fault_hook(cache, FaultInjector(fail_at=i))
         with pytest.raises(InjectedFault, match=f"^injected fault #{i} at '{point}'$"):
             op(cache, ctx)
         assert cache.fingerprint() == before, f"fault #{i} at {point!r} changed the cache"
         assert cache.num_free_pages == free
         cache.check_invariants()
-        cache.fault_hook = no_fault
+        set_fault_hook(cache, no_fault)
         op(cache, ctx)
         assert cache.fingerprint() == expected, f"retry after fault #{i} at {point!r} differs from a clean run"
         cache.check_invariants()

@@ -58,7 +58,7 @@ def append(cache, seq, tokens):
 
 def check_identities(acc, cache):
     cfg = cache.config
-    assert acc["allocated_bytes"] == cache.pool_nbytes == cfg.num_pages * cfg.bytes_per_page
+    assert acc["allocated_bytes"] == cache.pool.nbytes == cfg.num_pages * cfg.bytes_per_page
     assert acc["used_bytes"] == acc["pages_used"] * cfg.bytes_per_page
     assert acc["used_bytes"] == acc["formula_bytes"] + acc["tail_waste_bytes"]
     assert acc["allocated_bytes"] == acc["used_bytes"] + acc["free_bytes"]

@@ -13,7 +13,7 @@ import kvcache
 from kvcache import KVCache, bf16
 from kvcache.errors import SnapshotConfigError
 from kvcache.faults import no_fault
-from kvcache.testing import FaultInjector, InjectedFault
+from kvcache.testing import FaultInjector, InjectedFault, set_fault_hook
 from kvcache.jit_store import BFLOAT16, scatter_kv_bits, store_token_bits
 from decode.app.measure_memory import memory_report
 from kvcache.accounting import kv_bytes_formula
@@ -155,16 +155,16 @@ def test_every_append_path_stores_the_rules_bits(input_dtype):
     k, v = rows(rng, (2, 6, 2, 5), input_dtype), rows(rng, (2, 6, 2, 3), input_dtype)
     cache.append(a, k, v)                                            # transaction: a page chunk at a time
     k1, v1 = rows(rng, (2, 2, 5), input_dtype), rows(rng, (2, 2, 3), input_dtype)
-    token = cache.begin_token(a)                                     # one token (jitted for float32)
+    token = cache.transaction(a)                                     # one token (jitted for float32)
     for layer in range(2):
         token.write(layer, k1[layer], v1[layer])
     token.commit()
     kb, vb = rows(rng, (2, 2, 2, 5), input_dtype), rows(rng, (2, 2, 2, 3), input_dtype)
-    batch = cache.begin_tokens([a, b])                               # one token each (a jitted scatter)
+    batch = cache.transaction([a, b])                               # one token each (a jitted scatter)
     for layer in range(2):
         batch.write(layer, kb[layer], vb[layer])
     batch.commit()
-    checked = cache.check_kv(kb[:, :1], vb[:, :1])                   # bits from the check are stored as given
+    checked = cache.pool.check_kv(kb[:, :1], vb[:, :1])                   # bits from the check are stored as given
     assert checked[0].dtype == np.uint16
     with cache.transaction({b: 1}) as tx:
         for layer in range(2):
@@ -177,8 +177,8 @@ def test_every_append_path_stores_the_rules_bits(input_dtype):
         assert V.tobytes() == bf16.to_float32(bf16.to_bits(want_v)).tobytes()
         K, _ = cache.gather(b, layer)
         assert K.tobytes() == bf16.to_float32(bf16.to_bits(np.stack([kb[layer][1], kb[layer][0]]))).tobytes()
-        page = cache.page_table(a)[0]
-        assert cache.k_pages(layer)[page, :, 0].tobytes() == bf16.to_bits(k[layer][0]).tobytes()
+        page = cache.pool.page_table(a)[0]
+        assert cache.pool.k_pages(layer)[page, :, 0].tobytes() == bf16.to_bits(k[layer][0]).tobytes()
     cache.check_invariants()
 
 
@@ -201,7 +201,7 @@ def test_bad_input_is_refused_before_capacity_with_nothing_changed(value, messag
         cache.append(seq, k, v)
     with pytest.raises(ValueError, match=message.replace("(1, 0, 1, 2)", "(0, 1, 2)").replace(r"\(1, 0, 1, 2\)",
                                                                                             r"\(0, 1, 2\)")):
-        cache.check_kv(k[1], v[1], layered=False)
+        cache.pool.check_kv(k[1], v[1], layered=False)
     assert cache.fingerprint() == before
     with pytest.raises(kvcache.CacheFullError):
         cache.append(seq, np.ones((2, 9, 2, 5)), np.ones((2, 9, 2, 3)))
@@ -228,20 +228,21 @@ def test_fault_at_every_point_restores_every_byte_of_a_reused_pool():
                 tx.write(layer, seq, k[layer, :10], v[layer, :10])
                 tx.write(layer, child, k[layer, 10:], v[layer, 10:])
     cache, ctx = build()
-    cache.fault_hook = counter = FaultInjector()
+    counter = FaultInjector()
+    set_fault_hook(cache, counter)
     op(cache, ctx)
-    cache.fault_hook = no_fault
+    set_fault_hook(cache, no_fault)
     expected = cache.fingerprint()
     assert len(counter.points) > 10
     for i, point in enumerate(counter.points):
         cache, ctx = build()
         before = cache.fingerprint()
-        cache.fault_hook = FaultInjector(fail_at=i)
+        set_fault_hook(cache, FaultInjector(fail_at=i))
         with pytest.raises(InjectedFault):
             op(cache, ctx)
         assert cache.fingerprint() == before, f"fault #{i} at {point!r} changed the cache"
         cache.check_invariants()
-        cache.fault_hook = no_fault
+        set_fault_hook(cache, no_fault)
         op(cache, ctx)
         assert cache.fingerprint() == expected
 
@@ -277,15 +278,15 @@ def test_snapshot_round_trips_the_bits_and_says_bfloat16(tmp_path):
 def test_prefix_keys_depend_on_the_storage_format():
     salt = b"0123456789abcdef"
     caches = {dtype: make(dtype=dtype, prefix_caching=True, prefix_salt=salt) for dtype in ("bfloat16", "float16")}
-    keys = {dtype: c.index.root("").key for dtype, c in caches.items()}
+    keys = {dtype: c.pool.index.root("").key for dtype, c in caches.items()}
     assert keys["bfloat16"] != keys["float16"]
-    assert make(prefix_caching=True, prefix_salt=salt).index.root("").key == keys["bfloat16"]
+    assert make(prefix_caching=True, prefix_salt=salt).pool.index.root("").key == keys["bfloat16"]
 
 
 def test_memory_two_bytes_per_element():
     cache = make(num_pages=5)
     cfg = cache.config
-    assert cache.pool_nbytes == 5 * 4 * cfg.bytes_per_token == 2 * 5 * 4 * 2 * (5 + 3) * 2      # layers, pages, slots, heads, K+V widths, bytes
+    assert cache.pool.nbytes == 5 * 4 * cfg.bytes_per_token == 2 * 5 * 4 * 2 * (5 + 3) * 2      # layers, pages, slots, heads, K+V widths, bytes
     assert cfg.bytes_per_token * 7 == kv_bytes_formula(2, 1, 7, 2, 5, 2, head_dim_v=3)
     [row] = memory_report(layers=2, num_q_heads=4, kv_heads=2, tokens=100, head_dim=8, dtype="bfloat16",
                           page_size=16, measure=False)

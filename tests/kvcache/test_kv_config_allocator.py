@@ -101,14 +101,14 @@ def test_config_is_frozen():
 def test_cache_pool_matches_config():
     cache = kvcache.KVCache(num_layers=2, num_kv_heads=3, head_dim=4, head_dim_v=5, page_size=2, num_pages=6,
                             dtype="float16")
-    assert cache.k_pages(1).shape == (6, 3, 2, 4) and cache.v_pages(1).shape == (6, 3, 2, 5)
-    assert cache.k_pages().dtype == np.float16
+    assert cache.pool.k_pages(1).shape == (6, 3, 2, 4) and cache.pool.v_pages(1).shape == (6, 3, 2, 5)
+    assert cache.pool.k_pages().dtype == np.float16
     assert cache.num_free_pages == 6 and cache.sequences == ()
     for layer, error in ((2, ValueError), (-1, ValueError), (1.0, TypeError)):
         with pytest.raises(error, match="^layer: expected an integer"):
-            cache.k_pages(layer)
+            cache.pool.k_pages(layer)
         with pytest.raises(error, match="^layer: expected an integer"):
-            cache.v_pages(layer)
+            cache.pool.v_pages(layer)
 
 
 # -- PageAllocator -------------------------------------------------------------------------------------------

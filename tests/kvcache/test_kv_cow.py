@@ -24,7 +24,7 @@ def append(cache, model, seq, count, rng):
 
 
 def refs(cache, seq):
-    return [cache.allocator.ref_count(int(p)) for p in cache.page_table(seq) if p >= 0]
+    return [cache.pool.allocator.ref_count(int(p)) for p in cache.pool.page_table(seq) if p >= 0]
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])
@@ -33,17 +33,17 @@ def test_append_into_shared_partial_page_copies_it(num_layers):
     cache, model, a = setup(rng, 6, num_layers=num_layers, page_size=4)        # pages [p0 full, p1 half]
     b = cache.fork(a)
     model.fork(a, b)
-    shared = cache.page_table(a).tolist()
+    shared = cache.pool.page_table(a).tolist()
     assert refs(cache, a) == [2, 2] and cache.num_free_pages == 6
     append(cache, model, b, 1, rng)                                            # into the shared tail page
-    tb = cache.page_table(b).tolist()
+    tb = cache.pool.page_table(b).tolist()
     assert tb[0] == shared[0] and tb[1] != shared[1]                          # only the tail was copied
-    assert cache.page_table(a).tolist() == shared
+    assert cache.pool.page_table(a).tolist() == shared
     assert refs(cache, a) == [2, 1] and refs(cache, b) == [2, 1]
     assert cache.num_free_pages == 5
     assert_matches_model(cache, model)                                        # a does not see b's token
     append(cache, model, a, 3, rng)                                           # a's tail is private now: no copy
-    assert cache.page_table(a).tolist()[:2] == shared and cache.num_free_pages == 4
+    assert cache.pool.page_table(a).tolist()[:2] == shared and cache.num_free_pages == 4
     assert_matches_model(cache, model)
     cache.check_invariants()
 
@@ -54,7 +54,7 @@ def test_copy_carries_every_layer_and_both_pools():
     b = cache.fork(a)
     model.fork(a, b)
     append(cache, model, b, 1, rng)
-    pa, pb = cache.page_table(a)[0], cache.page_table(b)[0]
+    pa, pb = cache.pool.page_table(a)[0], cache.pool.page_table(b)[0]
     for pool in testing.pool_arrays(cache):
         np.testing.assert_array_equal(pool[:, pb, :, :3], pool[:, pa, :, :3])   # the shared prefix, all layers
     assert_matches_model(cache, model)
@@ -66,7 +66,7 @@ def test_full_shared_last_page_is_not_copied():
     b = cache.fork(a)
     model.fork(a, b)
     append(cache, model, b, 2, rng)
-    assert cache.page_table(b).tolist()[:2] == cache.page_table(a).tolist()
+    assert cache.pool.page_table(b).tolist()[:2] == cache.pool.page_table(a).tolist()
     assert cache.num_free_pages == 5 and refs(cache, a) == [2, 2]
     assert_matches_model(cache, model)
 
@@ -83,7 +83,7 @@ def test_truncate_into_shared_page_then_append(who):
     assert cache.num_free_pages == 5                                      # page 2 still held by `other`
     assert refs(cache, seq) == [2, 2] and refs(cache, other) == [2, 2, 1]
     append(cache, model, seq, 4, rng)                                     # overwrites slots 5..7 of page 1: copy
-    assert cache.page_table(seq).tolist()[1] != cache.page_table(other).tolist()[1]
+    assert cache.pool.page_table(seq).tolist()[1] != cache.pool.page_table(other).tolist()[1]
     assert refs(cache, other) == [2, 1, 1]
     assert_matches_model(cache, model)
     cache.check_invariants()
@@ -97,7 +97,7 @@ def test_truncate_to_page_boundary_of_shared_pages_then_append():
     cache.truncate(b, 8)
     model.truncate(b, 8)
     append(cache, model, b, 1, rng)                                       # new page, nothing shared written
-    assert cache.page_table(b).tolist()[:2] == cache.page_table(a).tolist()[:2]
+    assert cache.pool.page_table(b).tolist()[:2] == cache.pool.page_table(a).tolist()[:2]
     assert_matches_model(cache, model)
 
 
@@ -121,18 +121,18 @@ def test_siblings_in_one_transaction_each_get_a_copy():
     cache, model, a = setup(rng, 3, num_layers=2, page_size=4)
     b = cache.fork(a)
     model.fork(a, b)
-    shared = int(cache.page_table(a)[0])
+    shared = int(cache.pool.page_table(a)[0])
     ka, va = random_kv(cache, 2, rng)
     kb, vb = random_kv(cache, 1, rng)
     with cache.transaction({a: 2, b: 1}) as tx:
         for layer in range(2):
             tx.write(layer, a, ka[layer], va[layer])
             tx.write(layer, b, kb[layer], vb[layer])
-        assert cache.allocator.ref_count(shared) == 2             # held by the open transaction
+        assert cache.pool.allocator.ref_count(shared) == 2             # held by the open transaction
         cache.check_invariants()
     model.append(a, ka, va)
     model.append(b, kb, vb)
-    assert cache.allocator.ref_count(shared) == 0 and cache.num_free_pages == 8 - 3   # a: 2 pages, b: 1
+    assert cache.pool.allocator.ref_count(shared) == 0 and cache.num_free_pages == 8 - 3   # a: 2 pages, b: 1
     assert_matches_model(cache, model)
     cache.check_invariants()
 

@@ -2,7 +2,7 @@
 a fault injected at every point of a mixed batch of operations."""
 import pytest
 
-from kvcache.testing import FaultInjector, InjectedFault
+from kvcache.testing import FaultInjector, InjectedFault, set_fault_hook
 from kvcache.faults import no_fault
 from .kv_helpers import make_cache, random_kv
 
@@ -30,17 +30,18 @@ def mixed(cache, ctx):
 
 def test_every_fault_rolls_the_whole_group_back():
     cache, ctx = build()
-    cache.fault_hook = counter = FaultInjector()
+    counter = FaultInjector()
+    set_fault_hook(cache, counter)
     mixed(cache, ctx)
-    cache.fault_hook = no_fault
+    set_fault_hook(cache, no_fault)
     expected = cache.fingerprint()
     for i, point in enumerate(counter.points):
         cache, ctx = build()
         before = cache.fingerprint()
-        cache.fault_hook = FaultInjector(fail_at=i)
+        set_fault_hook(cache, FaultInjector(fail_at=i))
         with pytest.raises(InjectedFault):
             mixed(cache, ctx)
-        cache.fault_hook = no_fault
+        set_fault_hook(cache, no_fault)
         assert cache.fingerprint() == before, f"fault #{i} at {point!r}"
         cache.check_invariants()
         mixed(cache, ctx)

@@ -23,9 +23,9 @@ def int8_cache(**kwargs):
 
 def stored_rows(cache, seq, layer=0):
     """Raw int8 values and float16 scales of every held position: ``[T, H, D]``, ``[T, H, G]`` (K and V)."""
-    size, table, length = cache.config.page_size, cache.page_table(seq), cache.length(seq)
+    size, table, length = cache.config.page_size, cache.pool.page_table(seq), cache.length(seq)
     out = []
-    for values, scales in ((cache.k_pages(layer), cache.k_scales(layer)), (cache.v_pages(layer), cache.v_scales(layer))):
+    for values, scales in ((cache.pool.k_pages(layer), cache.pool.k_scales(layer)), (cache.pool.v_pages(layer), cache.pool.v_scales(layer))):
         rows = [values[table[p // size], :, p % size] for p in range(length)]
         srows = [scales[table[p // size], :, p % size] for p in range(length)]
         out.append((np.array(rows), np.array(srows)))
@@ -109,12 +109,12 @@ def test_batched_token_by_token_and_token_path_give_identical_bytes(rng):
     batched.append(0, k, v)
     for t in range(23):
         one_by_one.append(0, k[:, t:t + 1], v[:, t:t + 1])
-        tok = tokens.begin_token(0)
+        tok = tokens.transaction(0)
         for layer in range(2):
             tok.write(layer, k[layer, t], v[layer, t])
         tok.commit()
     assert batched.fingerprint() == one_by_one.fingerprint() == tokens.fingerprint()
-    for a, b in zip(batched.page_arrays, tokens.page_arrays):
+    for a, b in zip(batched.pool.arrays, tokens.pool.arrays):
         assert_bitwise_equal(a, b)
 
 
@@ -122,22 +122,22 @@ def test_written_rows_never_change_when_later_rows_arrive(rng):
     cache = int8_cache(num_kv_heads=2, head_dim=64, page_size=8, num_pages=4)
     seq = cache.create_sequence()
     cache.append(seq, *(rng.standard_normal((1, 3, 2, 64)) * 0.01 for _ in range(2)))
-    before = [np.array(a[0, 0, :, :3]) for a in cache.page_arrays]            # page 0, slots 0..2
+    before = [np.array(a[0, 0, :, :3]) for a in cache.pool.arrays]            # page 0, slots 0..2
     cache.append(seq, *(rng.standard_normal((1, 20, 2, 64)) * 1e4 for _ in range(2)))   # much larger rows
-    for a, b in zip(before, cache.page_arrays):
+    for a, b in zip(before, cache.pool.arrays):
         assert_bitwise_equal(b[0, 0, :, :3], a)
 
 
 def test_layout_and_bytes(rng):
     cache = int8_cache(num_layers=3, num_kv_heads=4, head_dim=128, head_dim_v=96, page_size=16, num_pages=5)
     cfg = cache.config
-    assert cache.k_pages(2).shape == (5, 4, 16, 128) and cache.k_pages().dtype == np.int8
-    assert cache.k_scales(2).shape == (5, 4, 16, 4) and cache.v_scales(1).shape == (5, 4, 16, 3)
-    assert cache.k_scales().dtype == np.float16
+    assert cache.pool.k_pages(2).shape == (5, 4, 16, 128) and cache.pool.k_pages().dtype == np.int8
+    assert cache.pool.k_scales(2).shape == (5, 4, 16, 4) and cache.pool.v_scales(1).shape == (5, 4, 16, 3)
+    assert cache.pool.k_scales().dtype == np.float16
     assert cfg.scale_bytes_per_token == 3 * 4 * (4 + 3) * 2
     assert cfg.bytes_per_token == 3 * 4 * (128 + 96) + cfg.scale_bytes_per_token
-    assert cache.pool_nbytes == 5 * 16 * cfg.bytes_per_token == sum(a.nbytes for a in cache.page_arrays)
-    assert make_cache(dtype="float16").k_scales() is None
+    assert cache.pool.nbytes == 5 * 16 * cfg.bytes_per_token == sum(a.nbytes for a in cache.pool.arrays)
+    assert make_cache(dtype="float16").pool.k_scales() is None
 
 
 # -- bad input -------------------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def test_fingerprint_covers_the_scales(rng):
     cache.create_sequence()
     cache.append(0, *(rng.standard_normal((1, 2, 2, 3)) for _ in range(2)))
     before = cache.fingerprint()
-    scales = cache.v_scales()
+    scales = cache.pool.v_scales()
     scales.flags.writeable = True                       # a view of the pool (tests only)
     scales[0, 1, 1, 0] = np.nextafter(scales[0, 1, 1, 0], np.float16(1))
     assert cache.fingerprint() != before
@@ -217,7 +217,7 @@ def test_faults_in_the_token_path_restore_values_and_scales():
 
     def op(cache, ctx):
         k, v = ctx
-        tok = cache.begin_token(0)
+        tok = cache.transaction(0)
         try:
             for layer in range(3):
                 tok.write(layer, k[layer, 0], v[layer, 0])
@@ -231,13 +231,13 @@ def test_faults_in_the_token_path_restore_values_and_scales():
 def test_transaction_rollback_restores_scales(rng):
     cache = _filled([5, 3], rng, num_kv_heads=2, head_dim=32, page_size=4, num_pages=8)
     cache.truncate(0, 1)
-    before = [a.copy() for a in cache.page_arrays]
+    before = [a.copy() for a in cache.pool.arrays]
     with pytest.raises(RuntimeError, match="boom"):
         with cache.transaction({0: 6, 1: 2}) as tx:
             k, v = _kv(cache, 6, rng, scale=1e3)
             tx.write(0, 0, k[0], v[0])
             raise RuntimeError("boom")
-    for a, b in zip(before, cache.page_arrays):
+    for a, b in zip(before, cache.pool.arrays):
         assert_bitwise_equal(b, a)
 
 
@@ -249,7 +249,7 @@ def test_copy_on_write_copies_the_scales(rng):
     parent_k, parent_v = cache.gather(parent)
     child = cache.fork(parent)
     cache.append(child, *_kv(cache, 1, rng, scale=1e3))                  # writes into the shared tail page
-    assert cache.page_table(child)[1] != cache.page_table(parent)[1]
+    assert cache.pool.page_table(child)[1] != cache.pool.page_table(parent)[1]
     ck, cv = cache.gather(child)
     assert_bitwise_equal(ck[:6], parent_k)                              # copied values *and* scales
     assert_bitwise_equal(cv[:6], parent_v)
@@ -289,7 +289,7 @@ def test_int8_cache_rejects_no_float_input_dtype(rng):
     with pytest.raises(TypeError, match="^k: expected a real floating-point array, got dtype int8$"):
         cache.append(seq, np.ones((1, 1, 1, 2), np.int8), np.ones((1, 1, 1, 2)))
     cache.append(seq, np.ones((1, 1, 1, 2), np.float16), np.ones((1, 1, 1, 2), np.float32))
-    scale = float(cache.k_scales()[0, 0, 0, 0])            # 1/127 rounded up to a float16: 127 * scale > 1
+    scale = float(cache.pool.k_scales()[0, 0, 0, 0])            # 1/127 rounded up to a float16: 127 * scale > 1
     assert scale > 1 / 127 and cache.gather(seq)[0].tolist() == [[[127 * scale, 127 * scale]]]
 
 

@@ -35,8 +35,8 @@ def test_create_sequence():
     cache = make_cache(num_kv_heads=2, head_dim=3, head_dim_v=5)
     a, b = cache.create_sequence(), cache.create_sequence()
     assert a != b and cache.sequences == (a, b)
-    assert cache.length(a) == 0 and cache.first_position(a) == 0
-    assert cache.page_table(a).dtype == np.int32 and cache.page_table(a).shape == (0,)
+    assert cache.length(a) == 0 and cache.pool.first_position(a) == 0
+    assert cache.pool.page_table(a).dtype == np.int32 and cache.pool.page_table(a).shape == (0,)
     k, v = cache.gather(a)
     assert k.shape == (0, 2, 3) and v.shape == (0, 2, 5) and k.dtype == v.dtype == np.float32
     assert cache.num_free_pages == 8
@@ -56,7 +56,7 @@ def test_unknown_sequence_ids(rng, bad, error, message):
     k, v = random_kv(cache, 1, rng)
     calls = [lambda: cache.append(bad, k, v), lambda: cache.truncate(bad, 0), lambda: cache.fork(bad),
              lambda: cache.free(bad), lambda: cache.release_before(bad, 0), lambda: cache.gather(bad),
-             lambda: cache.length(bad), lambda: cache.page_table(bad), lambda: cache.first_position(bad),
+             lambda: cache.length(bad), lambda: cache.pool.page_table(bad), lambda: cache.pool.first_position(bad),
              lambda: cache.transaction({bad: 1}), lambda: cache.transaction({bad: 1, seq: 1})]   # 0.0 == 0: first key kept
     for call in calls:
         assert_fails_unchanged(cache, call, error, message)
@@ -101,7 +101,7 @@ def test_append_multi_layer_matches_model(rng, dtype, num_layers):
         cache.append(seq, k, v)
         model.append(seq, k, v)
         assert_matches_model(cache, model)
-        assert len(cache.page_table(seq)) == -(-model.length(seq) // 4)
+        assert len(cache.pool.page_table(seq)) == -(-model.length(seq) // 4)
         cache.check_invariants()
     assert cache.num_free_pages == 8 - 5
 
@@ -268,7 +268,7 @@ def test_released_pages_count_for_could_ever_fit(rng):
     assert info.value.could_ever_fit is False
     cache.release_before(a, 12)                                            # the released pages do not count
     cache.append(a, k, v)
-    assert cache.length(a) == 21 and cache.first_position(a) == 12
+    assert cache.length(a) == 21 and cache.pool.first_position(a) == 12
     cache.check_invariants()
 
 
@@ -460,7 +460,7 @@ def test_truncate(rng, n, pages_left):
     cache.truncate(a, n)
     model.truncate(a, n)
     assert_matches_model(cache, model)
-    assert len(cache.page_table(a)) == pages_left and cache.num_free_pages == 8 - pages_left
+    assert len(cache.pool.page_table(a)) == pages_left and cache.num_free_pages == 8 - pages_left
     cache.check_invariants()
     k, v = random_kv(cache, 5, rng)               # appending after truncation overwrites the old slots
     cache.append(a, k, v)
@@ -502,8 +502,8 @@ def test_fork_shares_pages(rng):
     model.fork(a, b)
     assert b not in (a,) and cache.sequences == (a, b)
     assert cache.num_free_pages == free                       # nothing copied
-    assert cache.page_table(b).tolist() == cache.page_table(a).tolist()
-    assert [cache.allocator.ref_count(p) for p in cache.page_table(a)] == [2, 2, 2]
+    assert cache.pool.page_table(b).tolist() == cache.pool.page_table(a).tolist()
+    assert [cache.pool.allocator.ref_count(p) for p in cache.pool.page_table(a)] == [2, 2, 2]
     assert_matches_model(cache, model)
     cache.check_invariants()
 
@@ -546,7 +546,7 @@ def test_free_shared_pages_keeps_them_for_the_sibling(rng):
     cache.free(a)
     model.free(a)
     assert cache.num_free_pages == 5
-    assert [cache.allocator.ref_count(p) for p in cache.page_table(b)] == [1, 1, 1]
+    assert [cache.pool.allocator.ref_count(p) for p in cache.pool.page_table(b)] == [1, 1, 1]
     assert_matches_model(cache, model)
     cache.check_invariants()
 
@@ -557,7 +557,7 @@ def test_release_before(rng):
     assert cache.release_before(a, 3) == 0                   # page 0 still holds position 3
     assert cache.release_before(a, 9) == 2
     model.release_before(a, 9)
-    assert cache.page_table(a).tolist()[:2] == [-1, -1] and cache.first_position(a) == 8
+    assert cache.pool.page_table(a).tolist()[:2] == [-1, -1] and cache.pool.first_position(a) == 8
     assert cache.num_free_pages == 8 - 2
     assert_matches_model(cache, model)
     cache.check_invariants()
@@ -568,7 +568,7 @@ def test_release_before(rng):
     assert_matches_model(cache, model)
     b = cache.fork(a)
     model.fork(a, b)
-    assert cache.first_position(b) == 8
+    assert cache.pool.first_position(b) == 8
     assert_matches_model(cache, model)
     cache.free(a)
     cache.free(b)
@@ -585,7 +585,7 @@ def test_release_everything_then_append(rng):
     cache.append(a, k, v)
     model.append(a, k, v)
     assert_matches_model(cache, model)
-    assert cache.page_table(a).tolist()[:2] == [-1, -1]
+    assert cache.pool.page_table(a).tolist()[:2] == [-1, -1]
     cache.check_invariants()
 
 
@@ -610,7 +610,7 @@ def test_check_invariants_detects_corruption(rng):
 
     cache, sa, sb = fresh()
     page = int(sa.table[0])
-    testing.set_ref_count(testing.allocator(cache), page, cache.allocator.ref_count(page) + 1)
+    testing.set_ref_count(testing.allocator(cache), page, cache.pool.allocator.ref_count(page) + 1)
     with pytest.raises(AssertionError, match="ref count 3 but held by 2"):
         cache.check_invariants()
     cache, sa, sb = fresh()
@@ -651,5 +651,5 @@ def test_fingerprint_sees_bytes_and_metadata(rng):
 def test_pool_nbytes():
     cache = make_cache(num_layers=3, num_kv_heads=2, head_dim=4, head_dim_v=5, page_size=2, num_pages=7,
                        dtype="float16")
-    assert cache.pool_nbytes == 3 * 7 * 2 * 2 * (4 + 5) * 2 == 7 * cache.config.bytes_per_page
-    assert cache.pool_nbytes == cache.k_pages(0).nbytes * 3 + cache.v_pages(0).nbytes * 3
+    assert cache.pool.nbytes == 3 * 7 * 2 * 2 * (4 + 5) * 2 == 7 * cache.config.bytes_per_page
+    assert cache.pool.nbytes == cache.pool.k_pages(0).nbytes * 3 + cache.pool.v_pages(0).nbytes * 3

@@ -40,11 +40,11 @@ def test_hit_is_whole_pages_at_most_len_minus_one_and_adopts_pages(rng):
                         ([0, 1, 2, 3, 9, 9, 9, 9, 9], 4)):
         match = cache.match_prefix(list(prompt))
         assert match.num_tokens == hit and cache.length(match.seq) == hit
-        assert np.array_equal(cache.page_table(match.seq), cache.page_table(a)[:hit // 4])
+        assert np.array_equal(cache.pool.page_table(match.seq), cache.pool.page_table(a)[:hit // 4])
         assert np.array_equal(cache.token_ids(match.seq), np.arange(hit))
         same_kv(cache, a, match.seq, hit)
         cache.free(match.seq)
-    assert [cache.allocator.ref_count(p) for p in cache.page_table(a)] == [1, 1, 1]
+    assert [cache.pool.allocator.ref_count(p) for p in cache.pool.page_table(a)] == [1, 1, 1]
     cache.check_invariants()
 
 
@@ -57,24 +57,24 @@ def test_namespaces_and_caches_do_not_share(rng):
     assert cache.match_prefix(np.arange(9), namespace="model-b").num_tokens == 8
     other = make(namespace="model-a", prefix_salt=None)      # a random salt: other keys for the same tokens
     filled(other, np.arange(8), rng)
-    assert cache.index.root("model-a").key != other.index.root("model-a").key
-    assert cache.index.entries()[0].key != other.index.entries()[0].key
+    assert cache.pool.index.root("model-a").key != other.pool.index.root("model-a").key
+    assert cache.pool.index.entries()[0].key != other.pool.index.entries()[0].key
 
 
 def test_key_chain_is_sha256_of_parent_and_int32_tokens(rng):
     cache = make()
     filled(cache, np.arange(8) + 7, rng)
-    first, second = sorted(cache.index.entries(), key=lambda e: e.parent is not cache.index.root(""))
-    assert first.key == page_key(cache.index.root("").key, np.arange(7, 11, dtype="<i4").tobytes())
+    first, second = sorted(cache.pool.index.entries(), key=lambda e: e.parent is not cache.pool.index.root(""))
+    assert first.key == page_key(cache.pool.index.root("").key, np.arange(7, 11, dtype="<i4").tobytes())
     assert second.key == page_key(first.key, np.arange(11, 15, dtype="<i4").tobytes()) and second.parent is first
 
 
 def test_forced_constant_hash_costs_hits_never_wrong_kv(rng):
     cache = make(num_pages=32)
-    cache.index.hash_page = lambda parent, tokens: b"\0" * 32          # every key collides
+    cache.pool.index.hash_page = lambda parent, tokens: b"\0" * 32          # every key collides
     a = filled(cache, [1, 2, 3, 4, 5, 6, 7, 8], rng)
     b = filled(cache, [9, 9, 9, 9, 5, 6, 7, 8], rng)
-    assert len(cache.index.entries()) == 1                   # only the first page got the one key
+    assert len(cache.pool.index.entries()) == 1                   # only the first page got the one key
     for prompt, owner, hit in (([1, 2, 3, 4, 5, 6, 7, 8, 0], a, 4), ([9, 9, 9, 9, 5, 6, 7, 8, 0], b, 0)):
         match = cache.match_prefix(prompt)
         assert match.num_tokens == hit
@@ -85,17 +85,17 @@ def test_forced_constant_hash_costs_hits_never_wrong_kv(rng):
 def test_registered_page_is_copied_before_a_write_even_at_ref_count_one(rng):
     cache = make()
     a = filled(cache, np.arange(8), rng)
-    page = int(cache.page_table(a)[1])
-    before = cache.k_pages()[page].copy()
+    page = int(cache.pool.page_table(a)[1])
+    before = cache.pool.k_pages()[page].copy()
     cache.truncate(a, 6)                                     # into the registered page 1; a holds it alone
-    assert cache.allocator.ref_count(page) == 1 and cache.index.holds(page)
+    assert cache.pool.allocator.ref_count(page) == 1 and cache.pool.index.holds(page)
     cache.append(a, *random_kv(cache, 2, rng), token_ids=[50, 51])
-    assert int(cache.page_table(a)[1]) != page               # copied first
-    assert cache.k_pages()[page].tobytes() == before.tobytes() and cache.num_cached_pages == 1
+    assert int(cache.pool.page_table(a)[1]) != page               # copied first
+    assert cache.pool.k_pages()[page].tobytes() == before.tobytes() and cache.num_cached_pages == 1
     old = cache.match_prefix(np.arange(9))                   # the old content is still served, exactly
     new = cache.match_prefix([0, 1, 2, 3, 4, 5, 50, 51, 0])
     assert old.num_tokens == new.num_tokens == 8
-    assert cache.page_table(old.seq)[1] == page and cache.page_table(new.seq)[1] == cache.page_table(a)[1]
+    assert cache.pool.page_table(old.seq)[1] == page and cache.pool.page_table(new.seq)[1] == cache.pool.page_table(a)[1]
     same_kv(cache, a, new.seq, 8)
     cache.check_invariants()
 
@@ -105,10 +105,10 @@ def test_step_with_token_id_registers_the_page_it_fills(rng):
     seq = cache.create_sequence()
     for position in range(4):
         k, v = random_kv(cache, 1, rng)
-        token = cache.begin_token(seq, token_id=position + 10)
+        token = cache.transaction(seq, token_ids=position + 10)
         token.write(0, k[0, 0], v[0, 0])
         token.commit()
-        assert len(cache.index.entries()) == (position == 3)
+        assert len(cache.pool.index.entries()) == (position == 3)
     assert cache.match_prefix([10, 11, 12, 13, 14]).num_tokens == 4
 
 
@@ -116,12 +116,12 @@ def test_append_without_ids_stops_registration_until_truncated_back(rng):
     cache = make()
     seq = filled(cache, np.arange(6), rng)
     cache.append(seq, *random_kv(cache, 6, rng))             # positions 6..11 unknown
-    assert len(cache.index.entries()) == 1 and len(cache.token_ids(seq)) == 6
+    assert len(cache.pool.index.entries()) == 1 and len(cache.token_ids(seq)) == 6
     cache.append(seq, *random_kv(cache, 4, rng), token_ids=[1, 2, 3, 4])   # after a gap: still unknown
-    assert len(cache.index.entries()) == 1
+    assert len(cache.pool.index.entries()) == 1
     cache.truncate(seq, 6)
     cache.append(seq, *random_kv(cache, 2, rng), token_ids=[6, 7])
-    assert len(cache.index.entries()) == 2
+    assert len(cache.pool.index.entries()) == 2
 
 
 def test_evicts_least_recently_released_only_when_no_clean_page_is_left(rng):
@@ -130,13 +130,13 @@ def test_evicts_least_recently_released_only_when_no_clean_page_is_left(rng):
     b = filled(cache, np.arange(8) + 100, rng)               # pages 2, 3
     cache.free(a)
     cache.free(b)                                            # released tail first: 1, 0, 3, 2
-    assert cache.index.eviction_order() == [1, 0, 3, 2] and cache.num_free_pages == 6
+    assert cache.pool.index.eviction_order() == [1, 0, 3, 2] and cache.num_free_pages == 6
     c = filled(cache, np.arange(8) + 200, rng)               # the two clean pages first
-    assert cache.index.eviction_order() == [1, 0, 3, 2] and cache.allocator.num_free_pages == 0
+    assert cache.pool.index.eviction_order() == [1, 0, 3, 2] and cache.pool.allocator.num_free_pages == 0
     cache.append(c, *random_kv(cache, 1, rng), token_ids=[0])              # evicts page 1
-    assert cache.index.eviction_order() == [0, 3, 2]
+    assert cache.pool.index.eviction_order() == [0, 3, 2]
     assert cache.match_prefix(np.arange(9)).num_tokens == 4                # page 0 still hits; page 1 gone
-    assert cache.index.eviction_order() == [3, 2]
+    assert cache.pool.index.eviction_order() == [3, 2]
     with pytest.raises(CacheFullError) as info:
         cache.append(c, *random_kv(cache, 12, rng))
     assert info.value.pages_free == 2
@@ -153,7 +153,7 @@ def test_bad_input_is_named_and_changes_nothing(rng):
             (lambda: cache.append(seq, k, v, token_ids=[1, -2]), ValueError, "got -2"),
             (lambda: cache.append(seq, k, v, token_ids=[1, 2**31]), ValueError, "expected token ids in"),
             (lambda: cache.transaction({seq: 1}, token_ids={seq + 5: [1]}), ValueError, "token_ids: expected keys"),
-            (lambda: cache.begin_token(seq, token_id=[1, 2]), ValueError, "token_id: expected 1 token ids"),
+            (lambda: cache.transaction(seq, token_ids=[1, 2]), ValueError, "token_ids: expected 1 token ids"),
             (lambda: cache.match_prefix([]), ValueError, "at least one token id"),
             (lambda: cache.match_prefix([[1, 2]]), ValueError, "1-D"),
             (lambda: cache.match_prefix([1], namespace=1), TypeError, "namespace: expected a str"),

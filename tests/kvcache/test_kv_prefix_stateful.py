@@ -58,7 +58,7 @@ class PrefixMachine(RuleBasedStateMachine):
         return seqs[index % len(seqs)]
 
     def refs(self, page: int) -> int:
-        return self.cache.allocator.ref_count(page)
+        return self.cache.pool.allocator.ref_count(page)
 
     def park_released(self, pages_newest_first, registered_before):
         for page in pages_newest_first:
@@ -66,7 +66,7 @@ class PrefixMachine(RuleBasedStateMachine):
                 self.lru.append(page)
 
     def registered(self, pages) -> set:
-        return {int(p) for p in pages if p >= 0 and self.cache.index.holds(int(p))}
+        return {int(p) for p in pages if p >= 0 and self.cache.pool.index.holds(int(p))}
 
     def unchanged_after(self, call, error):
         before = self.cache.fingerprint()
@@ -80,16 +80,16 @@ class PrefixMachine(RuleBasedStateMachine):
         old = self.tokens[seq]
         tokens = old + new_tokens
         k, v = self.kv(self.namespace[seq], tokens, len(old))
-        table = cache.page_table(seq)
+        table = cache.pool.page_table(seq)
         tail = int(table[-1]) if len(table) else -1
-        copies = int(len(old) % size != 0 and (self.refs(tail) > 1 or cache.index.holds(tail)))
+        copies = int(len(old) % size != 0 and (self.refs(tail) > 1 or cache.pool.index.holds(tail)))
         needed = -(-len(tokens) // size) - -(-len(old) // size) + copies
         if needed > cache.num_free_pages:
             event("append: CacheFullError")
             self.unchanged_after(lambda: cache.append(seq, k, v, token_ids=new_tokens if with_ids else None),
                                  CacheFullError)
             return False
-        evicted = max(0, needed - cache.allocator.num_free_pages)
+        evicted = max(0, needed - cache.pool.allocator.num_free_pages)
         if evicted:
             event("append: evicts")
         registered_tail = self.registered([tail])
@@ -116,7 +116,7 @@ class PrefixMachine(RuleBasedStateMachine):
         assert hit % self.cfg.page_size == 0 and hit <= len(prompt) - 1
         event(f"request: hit {'>0' if hit else '0'}")
         self.tokens[match.seq], self.namespace[match.seq] = prompt[:hit], namespace
-        adopted = set(self.cache.page_table(match.seq).tolist())
+        adopted = set(self.cache.pool.page_table(match.seq).tolist())
         self.lru = [page for page in self.lru if page not in adopted]
         self.check_kv(match.seq)                     # the hit pages hold exactly the recomputed K/V
         self.append(match.seq, prompt[hit:], with_ids=True)
@@ -132,7 +132,7 @@ class PrefixMachine(RuleBasedStateMachine):
     def truncate_and_replace(self, index, cut, new):
         seq = self.pick(index)
         n = max(0, len(self.tokens[seq]) - cut)
-        table = self.cache.page_table(seq).copy()
+        table = self.cache.pool.page_table(seq).copy()
         registered = self.registered(table)
         self.cache.truncate(seq, n)
         self.park_released([int(p) for p in table[self.cfg.pages_for(n):][::-1]], registered)
@@ -151,7 +151,7 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 9))
     def free(self, index):
         seq = self.pick(index)
-        table = self.cache.page_table(seq).copy()
+        table = self.cache.pool.page_table(seq).copy()
         registered = self.registered(table)
         self.cache.free(seq)
         self.park_released([int(p) for p in table[::-1]], registered)
@@ -187,9 +187,9 @@ class PrefixMachine(RuleBasedStateMachine):
         cache.check_invariants()
         for seq in self.tokens:
             self.check_kv(seq)
-        assert cache.index.eviction_order() == self.lru, f"eviction order {cache.index.eviction_order()} != {self.lru}"
+        assert cache.pool.index.eviction_order() == self.lru, f"eviction order {cache.pool.index.eviction_order()} != {self.lru}"
         referenced = sum(1 for page in range(self.cfg.num_pages) if self.refs(page) > 0)
-        assert cache.allocator.num_free_pages + cache.num_cached_pages + referenced == self.cfg.num_pages
+        assert cache.pool.allocator.num_free_pages + cache.num_cached_pages + referenced == self.cfg.num_pages
 
     def teardown(self):
         if not hasattr(self, "cache"):

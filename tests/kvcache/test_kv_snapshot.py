@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import kvcache
-from kvcache.testing import FaultInjector, InjectedFault
+from kvcache.testing import FaultInjector, InjectedFault, set_fault_hook
 from kvcache.errors import (SnapshotChecksumError, SnapshotConfigError, SnapshotCorruptError, SnapshotFormatError,
                      SnapshotInconsistentError, SnapshotRangeError, SnapshotTruncatedError, SnapshotVersionError)
 from .kv_helpers import random_kv
@@ -87,7 +87,7 @@ def test_loaded_cache_decodes_identically(path):
     q = rng.standard_normal((4, 3))
     k, v = rng.standard_normal((2, 3)), rng.standard_normal((2, 2))
     for seq in cache.sequences:
-        window = 2 if cache.first_position(seq) else None              # d released its first pages
+        window = 2 if cache.pool.first_position(seq) else None              # d released its first pages
         outs = [Decoder.on_sequence(c, seq, 4, window=window).step(q, k, v, token_ids=77) for c in (cache, loaded)]
         assert outs[0].tobytes() == outs[1].tobytes()
     assert loaded.fingerprint(include_free_pages=False) == cache.fingerprint(include_free_pages=False)
@@ -116,9 +116,9 @@ def test_failed_save_leaves_the_earlier_file_and_no_temporary(path, point):
     cache.append(cache.sequences[0], *random_kv(cache, 3, rng))
     fingerprint = cache.fingerprint()
     points = FaultInjector()
-    cache.fault_hook = points
+    set_fault_hook(cache, points)
     cache.save(path.with_name("other.safetensors"))
-    cache.fault_hook = FaultInjector(fail_at=points.points.index(point))
+    set_fault_hook(cache, FaultInjector(fail_at=points.points.index(point)))
     with pytest.raises(InjectedFault):
         cache.save(path)
     assert path.read_bytes() == before and cache.fingerprint() == fingerprint

@@ -49,9 +49,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def shares_tail(self, seq: int, tokens: int) -> bool:
         """Whether appending to ``seq`` writes into a partially filled page another sequence also holds."""
-        length, table = self.model.length(seq), self.cache.page_table(seq)
+        length, table = self.model.length(seq), self.cache.pool.page_table(seq)
         return (tokens > 0 and length % self.cfg.page_size != 0
-                and self.cache.allocator.ref_count(int(table[-1])) > 1)
+                and self.cache.pool.allocator.ref_count(int(table[-1])) > 1)
 
     def fails_unchanged(self, call, error, match=None):
         before, free = self.cache.fingerprint(), self.cache.num_free_pages
@@ -135,9 +135,9 @@ class CacheMachine(RuleBasedStateMachine):
         before, free = self.cache.fingerprint(), self.cache.num_free_pages
         layers = self.cfg.num_layers
         # siblings sharing a page with a or b first: they are the ones an open transaction must be safe from
-        shared = {int(p) for seq in counts for p in self.cache.page_table(seq) if p >= 0}
+        shared = {int(p) for seq in counts for p in self.cache.pool.page_table(seq) if p >= 0}
         others = sorted((seq for seq in self.model.k if seq not in counts),
-                        key=lambda seq: (not shared & set(self.cache.page_table(seq).tolist()), seq))
+                        key=lambda seq: (not shared & set(self.cache.pool.page_table(seq).tolist()), seq))
         if meanwhile and not others:
             meanwhile = None
         try:
@@ -236,7 +236,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert sorted(self.cache.sequences) == sorted(self.model.k)
         for seq in self.model.k:
             assert self.cache.length(seq) == self.model.length(seq)
-            assert self.cache.first_position(seq) == self.model.first[seq]
+            assert self.cache.pool.first_position(seq) == self.model.first[seq]
             for layer in range(self.cfg.num_layers):
                 k, v = self.cache.gather(seq, layer)
                 ek, ev = self.model.dense(seq, layer)

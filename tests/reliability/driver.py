@@ -29,7 +29,7 @@ import numpy as np
 
 from decode import Decoder, batch_step, batch_transaction
 from kvcache import CacheFullError, KVCache, bf16, testing
-from kvcache.testing import FaultInjector, InjectedFault
+from kvcache.testing import FaultInjector, InjectedFault, set_fault_hook
 from kvcache.faults import no_fault
 from reference.dense import decode_reference
 
@@ -138,8 +138,8 @@ class Guards:
         self.high = cache.create_sequence()
         cache.append(self.high, one, one_v)                                 # the last page
         cache.free(filler)
-        assert cache.page_table(self.low).tolist() == [0]
-        assert cache.page_table(self.high).tolist() == [cfg.num_pages - 1]
+        assert cache.pool.page_table(self.low).tolist() == [0]
+        assert cache.pool.page_table(self.high).tolist() == [cfg.num_pages - 1]
         for pool in (self.k, self.v):
             pool[:, 0] = self.bits
             pool[:, -1] = self.bits
@@ -165,7 +165,7 @@ class Guards:
     def paint(self) -> None:
         mask = self.before = self.unused()
         self.taken.clear()
-        self.used_before = np.array(self.cache.allocator.ref_counts()) > 0
+        self.used_before = np.array(self.cache.pool.allocator.ref_counts()) > 0
         for pool in (self.k, self.v):
             pool.transpose(1, 3, 0, 2, 4)[mask] = self.bits
 
@@ -176,7 +176,7 @@ class Guards:
         in the same call. (A failed operation is held to more: its fingerprint must not change.)"""
         still = self.before & self.unused()
         still[sorted(self.taken)] = False
-        still[self.used_before & (np.array(self.cache.allocator.ref_counts()) == 0)] = False
+        still[self.used_before & (np.array(self.cache.pool.allocator.ref_counts()) == 0)] = False
         for name, pool in (("k", self.k), ("v", self.v)):
             slots = pool.transpose(1, 3, 0, 2, 4)[still]                     # [n, layers, heads, dim]
             if not (slots == self.bits).all():
@@ -384,7 +384,7 @@ class Driver:
         raise ValueError(kind)
 
     def lowest_truncate(self, dec, model) -> int:
-        first = self.cache.first_position(dec.seq)
+        first = self.cache.pool.first_position(dec.seq)
         return 0 if first == 0 else (first + s.window - 1 if (s := self.s).window else first)
 
     def bad_call(self):
@@ -476,7 +476,7 @@ class Driver:
             injector = None
             if fault:
                 injector = FaultInjector(fail_at=int(rng.integers(0, 10)))
-                self.cache.fault_hook = injector
+                set_fault_hook(self.cache, injector)
             try:
                 result = run()
             except InjectedFault:
@@ -486,21 +486,21 @@ class Driver:
                 summary.cache_full_now += error.could_ever_fit
                 summary.cache_full_never += not error.could_ever_fit
                 self.expect_unchanged(before, "CacheFullError")
-                self.cache.fault_hook = no_fault
+                set_fault_hook(self.cache, no_fault)
                 if self.decoders and rng.random() < 0.5:             # make room: free a random decoder
                     victim = self.pick()
                     victim.free()
                     self.decoders.remove(victim)
                     del self.models[victim.seq]
             except Exception as error:                               # noqa: BLE001 - reported as a divergence
-                self.cache.fault_hook = no_fault
+                set_fault_hook(self.cache, no_fault)
                 self.fail(f"{kind} raised {type(error).__name__}: {error}")
             else:
                 if injector is not None and len(injector.points) > injector.fail_at:
                     summary.faults_absorbed += 1                     # raised inside a swallowed window release
                 commit(result)
             finally:
-                self.cache.fault_hook = no_fault
+                set_fault_hook(self.cache, no_fault)
         summary.by_kind[kind] = summary.by_kind.get(kind, 0) + 1
         return kind
 
@@ -519,7 +519,7 @@ class Driver:
             model = self.models[dec.seq]
             if dec.length != model.length:
                 self.fail(f"{what}: seq {dec.seq} length {dec.length}, model {model.length}")
-            first = cache.first_position(dec.seq)
+            first = cache.pool.first_position(dec.seq)
             if s.window:
                 need = max(0, model.length - s.window + 1)            # the next query reads from here on
                 if first > need or first % s.page_size or first < model.first:
@@ -567,7 +567,7 @@ class Driver:
         self.summary.leaked_pages = self.cfg.num_pages - self.cache.num_free_pages
         if self.summary.leaked_pages or self.cache.sequences:
             self.fail(f"{self.summary.leaked_pages} pages leaked, sequences left {self.cache.sequences}")
-        if sorted(self.cache.allocator.free_list()) != list(range(self.cfg.num_pages)):
+        if sorted(self.cache.pool.allocator.free_list()) != list(range(self.cfg.num_pages)):
             self.fail("the free list is not every page exactly once")
 
 

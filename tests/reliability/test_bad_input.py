@@ -54,7 +54,7 @@ class World:
         self.win = Decoder(H, HKV, D, DV, page_size=2, max_tokens=16, window=2)
         for _ in range(9):
             self.win.step(*self.token())
-        assert self.win.cache.first_position(self.win.seq) == 8
+        assert self.win.cache.pool.first_position(self.win.seq) == 8
         self.guards.paint()
         self.caches = [self.cache, self.multi.cache, self.half.cache, self.win.cache]
         # a standalone kernel scene: 2 sequences over 4 pages
@@ -408,9 +408,12 @@ for _name, _id in [("str", "a"), ("none", None), ("bool", True), ("float", 2.0),
     SEQUENCES += [
         (f"cache.free-{_name}-id", lambda w, i=_id: lambda: w.cache.free(i), TypeError,
          r"^seq: expected an integer sequence id, got "),
-        (f"cache.transaction-{_name}-id", lambda w, i=_id: lambda: w.cache.transaction(i), TypeError,
+        (f"cache.transaction-list-{_name}-id", lambda w, i=_id: lambda: w.cache.transaction([w.a.seq, i]), TypeError,
          r"^seq: expected an integer sequence id, got "),
     ]
+    if not isinstance(_id, list):                     # a list is the one-token-each shape of `KVCache.transaction`
+        SEQUENCES.append((f"cache.transaction-{_name}-id", lambda w, i=_id: lambda: w.cache.transaction(i), TypeError,
+                          r"^seq: expected an integer sequence id, got "))
 
 CACHE_LEVEL = [
     ("cache.truncate-n-too-large", lambda w: lambda: w.cache.truncate(w.a.seq, 6), ValueError,
@@ -441,7 +444,7 @@ CACHE_LEVEL = [
                  r"\(0, 0, 0, 0\)$"),
     ("cache.gather-layer", lambda w: lambda: w.cache.gather(w.a.seq, 1), ValueError,
      r"^layer: expected an integer in \[0, 0\], got 1$"),
-    ("cache.k_pages-layer", lambda w: lambda: w.multi.cache.k_pages(-1), ValueError,
+    ("cache.k_pages-layer", lambda w: lambda: w.multi.cache.pool.k_pages(-1), ValueError,
      r"^layer: expected an integer in \[0, 2\], got -1$"),
 ]
 

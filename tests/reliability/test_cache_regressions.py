@@ -60,8 +60,8 @@ def test_commit_releases_the_copied_away_page():
     cache, a, b, rows = _forked_pair()
     with cache.transaction({a: 1}) as tx:
         tx.write(0, a, np.ones((1, 1, 2)), np.ones((1, 1, 2)))
-        assert cache.allocator.ref_count(0) == 2      # b's table + the open transaction
-    assert cache.allocator.ref_count(0) == 1          # b only
+        assert cache.pool.allocator.ref_count(0) == 2      # b's table + the open transaction
+    assert cache.pool.allocator.ref_count(0) == 1          # b only
     assert cache.num_free_pages == 2
     cache.check_invariants()
 

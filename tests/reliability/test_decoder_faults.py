@@ -16,7 +16,7 @@ import pytest
 from decode.attention_plan import AttentionPlan
 from decode import Decoder, batch_extend, batch_step, batch_transaction
 from kvcache import CacheFullError, KVCache
-from kvcache.testing import FaultInjector, InjectedFault
+from kvcache.testing import FaultInjector, InjectedFault, set_fault_hook
 from kvcache.faults import no_fault
 
 pytestmark = pytest.mark.kernel
@@ -67,11 +67,12 @@ def run_counting(ctx, op, monkeypatch):
             return real(*args, **kwargs)
         return counting
     restore = patch_kernels(monkeypatch, wrap)
-    ctx["cache"].fault_hook = counter = FaultInjector()
+    counter = FaultInjector()
+    set_fault_hook(ctx["cache"], counter)
     try:
         result = observe(op(ctx))
     finally:
-        ctx["cache"].fault_hook = no_fault
+        set_fault_hook(ctx["cache"], no_fault)
         restore()
     return result, counter.points, len(calls)
 
@@ -105,7 +106,7 @@ def enumerate_faults(build, op, monkeypatch, *, absorbed_after=None):
         cache = ctx["cache"]
         before, free = cache.fingerprint(), cache.num_free_pages
         if how == "fault":
-            cache.fault_hook = FaultInjector(fail_at=i)
+            set_fault_hook(cache, FaultInjector(fail_at=i))
             error, where = InjectedFault, f"fault #{i} at {points[i]!r}"
         else:
             restore = failing_kernel(monkeypatch, i)
@@ -119,7 +120,7 @@ def enumerate_faults(build, op, monkeypatch, *, absorbed_after=None):
                 assert cache.fingerprint() == before, f"{where} changed the cache"
                 assert cache.num_free_pages == free
         finally:
-            cache.fault_hook = no_fault
+            set_fault_hook(cache, no_fault)
             if how == "kernel":
                 restore()
         cache.check_invariants()
@@ -403,7 +404,7 @@ def test_hundred_fill_and_free_cycles_with_faults_leave_the_pool_whole(reduced_g
     for cycle in range(30 if reduced_grid else 100):
         decs = [Decoder.on_cache(cache, 4) for _ in range(3)]
         while True:
-            cache.fault_hook = FaultInjector(fail_at=int(rng.integers(0, 12))) if rng.random() < 0.3 else no_fault
+            set_fault_hook(cache, FaultInjector(fail_at=int(rng.integers(0, 12))) if rng.random() < 0.3 else no_fault)
             before = cache.fingerprint()
             try:
                 what = rng.integers(4)
@@ -424,11 +425,11 @@ def test_hundred_fill_and_free_cycles_with_faults_leave_the_pool_whole(reduced_g
                 assert cache.fingerprint() == before
                 break
             finally:
-                cache.fault_hook = no_fault
+                set_fault_hook(cache, no_fault)
         cache.check_invariants()
         for dec in decs:
             dec.free()
         assert cache.num_free_pages == cfg.num_pages and not cache.sequences
-        assert sorted(cache.allocator.free_list()) == list(range(cfg.num_pages))
-        assert set(cache.allocator.ref_counts()) == {0}
+        assert sorted(cache.pool.allocator.free_list()) == list(range(cfg.num_pages))
+        assert set(cache.pool.allocator.ref_counts()) == {0}
     assert injected > 20 and full == (30 if reduced_grid else 100)

@@ -19,7 +19,7 @@ from .driver import SENTINEL_BITS, Divergence, Guards, Settings, run
 def test_guard_layout(dtype):
     cache = KVCache(num_layers=2, num_kv_heads=2, head_dim=3, head_dim_v=5, page_size=4, num_pages=6, dtype=dtype)
     guards = Guards(cache)
-    assert cache.page_table(guards.low).tolist() == [0] and cache.page_table(guards.high).tolist() == [5]
+    assert cache.pool.page_table(guards.low).tolist() == [0] and cache.pool.page_table(guards.high).tolist() == [5]
     assert cache.num_free_pages == 4
     for pool in testing.pool_arrays(cache):
         assert np.isnan(pool[:, [0, -1]]).all()

@@ -110,7 +110,7 @@ def test_kernels_read_the_top_pages_of_a_pool_past_2_to_the_31_elements(mode, mo
         k = rng.standard_normal((8, 2, 2048))
         v = rng.standard_normal((8, 2, 8))
         outs = [dec.step(q[i], k[i], v[i]) for i in range(6)] + list(dec.extend(q[6:], k[6:], v[6:]))
-        assert cache.page_table(dec.seq).tolist() == [cfg.num_pages - 2, cfg.num_pages - 1]
+        assert cache.pool.page_table(dec.seq).tolist() == [cfg.num_pages - 2, cfg.num_pages - 1]
         assert cfg.element_offset(0, cfg.num_pages - 1, 0, 0, 0) > 2 ** 31
         ref = decode_reference(q, k.astype(np.float16), v.astype(np.float16), 0)
         np.testing.assert_allclose(np.array(outs), ref, rtol=2e-5, atol=2e-6)

@@ -6,6 +6,7 @@ import pytest
 
 from decode import Decoder
 from kvcache import KVCache
+from kvcache.testing import set_fault_hook
 
 
 def _token(rng, dec):
@@ -93,7 +94,7 @@ def _released_setup(window=None):
         a.step(*_token(rng, a))
     cache.release_before(a.seq, 8)
     b.extend(*(x[None].repeat(9, 0) for x in _token(rng, b)))
-    assert cache.page_table(a.seq).tolist()[:2] == [-1, -1] and 3 in cache.page_table(b.seq).tolist()
+    assert cache.pool.page_table(a.seq).tolist()[:2] == [-1, -1] and 3 in cache.pool.page_table(b.seq).tolist()
     return rng, cache, a, b
 
 
@@ -136,7 +137,7 @@ def test_window_reading_released_positions_is_rejected_and_inside_the_window_sti
         c.step(*_token(rng, c))
 
 
-# -- 5. KVCache.begin_token: writes and commits after the token write ended --------------------------------------
+# -- 5. KVCache.transaction(seq) (was begin_token): writes and commits after the token write ended --------------------------------------
 def _one_token(cache, rng):
     cfg = cache.config
     return rng.standard_normal((cfg.num_kv_heads, cfg.head_dim)), rng.standard_normal((cfg.num_kv_heads, cfg.head_dim_v))
@@ -149,15 +150,15 @@ def test_token_write_after_rollback_cannot_touch_a_reused_page():
     cache = KVCache(num_kv_heads=2, head_dim=3, page_size=4, num_pages=4)
     a, b = cache.create_sequence(), cache.create_sequence()
     cache.append(a, *(rng.standard_normal((4, 2, 3)) for _ in range(2)))
-    tw = cache.begin_token(a)                           # position 4: a fresh page
+    tw = cache.transaction(a)                           # position 4: a fresh page
     page = int(tw.slot_pages[0])
     tw.rollback()
     cache.append(b, *(rng.standard_normal((1, 2, 3)) for _ in range(2)))
-    assert cache.page_table(b).tolist() == [page]
+    assert cache.pool.page_table(b).tolist() == [page]
     before = cache.fingerprint()
-    with pytest.raises(RuntimeError, match="^token: expected an open token write, got one that is rolled back"):
+    with pytest.raises(RuntimeError, match="^transaction: expected an open transaction, got one that is rolled back"):
         tw.write(0, *(x.astype(np.float32) for x in _one_token(cache, rng)))
-    with pytest.raises(RuntimeError, match="^token: expected an open token write, got one that is rolled back"):
+    with pytest.raises(RuntimeError, match="^transaction: expected an open transaction, got one that is rolled back"):
         tw.commit()
     assert cache.fingerprint() == before and cache.length(a) == 4
     cache.check_invariants()
@@ -169,11 +170,11 @@ def test_token_commit_after_rollback_does_not_publish_an_unreserved_slot():
     cache = KVCache(num_kv_heads=2, head_dim=3, page_size=4, num_pages=4)
     a = cache.create_sequence()
     cache.append(a, *(rng.standard_normal((4, 2, 3)) for _ in range(2)))
-    tw = cache.begin_token(a)
+    tw = cache.transaction(a)
     tw.write(0, *(x.astype(np.float32) for x in _one_token(cache, rng)))
     tw.rollback()
     before = cache.fingerprint()
-    with pytest.raises(RuntimeError, match="^token: expected an open token write"):
+    with pytest.raises(RuntimeError, match="^transaction: expected an open transaction"):
         tw.commit()
     assert cache.fingerprint() == before and cache.length(a) == 4
     cache.check_invariants()
@@ -183,13 +184,13 @@ def test_token_write_after_commit_cannot_change_the_committed_token():
     rng = np.random.default_rng(7)
     cache = KVCache(num_kv_heads=2, head_dim=3, page_size=4, num_pages=4)
     a = cache.create_sequence()
-    tw = cache.begin_token(a)
+    tw = cache.transaction(a)
     tw.write(0, *(x.astype(np.float32) for x in _one_token(cache, rng)))
     tw.commit()
     before = cache.fingerprint()
-    with pytest.raises(RuntimeError, match="^token: expected an open token write, got one that is committed"):
+    with pytest.raises(RuntimeError, match="^transaction: expected an open transaction, got one that is committed"):
         tw.write(0, *(x.astype(np.float32) for x in _one_token(cache, rng)))
-    with pytest.raises(RuntimeError, match="^token: expected an open token write, got one that is committed"):
+    with pytest.raises(RuntimeError, match="^transaction: expected an open transaction, got one that is committed"):
         tw.commit()
     tw.rollback()                                         # a no-op, as for a Transaction
     assert cache.fingerprint() == before and cache.length(a) == 1
@@ -214,7 +215,7 @@ def test_numpy_integer_layer_accepted_on_the_single_token_path():
                                   (np.int8(-1), ValueError, "layer: expected an integer in [0, 1], got -1"),
                                   (0.0, TypeError, "layer: expected an integer, got float 0.0")]:
         before = cache.fingerprint()
-        tw = cache.begin_token(dec.seq)
+        tw = cache.transaction(dec.seq)
         with pytest.raises(error) as info:
             tw.write(layer, *(x.astype(np.float64) for x in _one_token(cache, rng)))
         assert str(info.value) == message and cache.fingerprint() == before   # the failed write rolled back
@@ -273,37 +274,38 @@ def test_window_release_failure_does_not_fail_the_committed_step():
         return dec, [_token(rng, dec) for _ in range(2)]
 
     dec, (t1, t2) = build()
-    dec.cache.fault_hook = counter = FaultInjector()
+    counter = FaultInjector()
+    set_fault_hook(dec.cache, counter)
     clean_out = dec.step(*t1)
-    dec.cache.fault_hook = no_fault
+    set_fault_hook(dec.cache, no_fault)
     clean_after_one = dec.cache.fingerprint()
     clean_out2 = dec.step(*t2)
     clean_after_two = dec.cache.fingerprint()
-    observable = (dec.kv(), dec.length, dec.cache.first_position(dec.seq), dec.cache.num_free_pages)
+    observable = (dec.kv(), dec.length, dec.cache.pool.first_position(dec.seq), dec.cache.num_free_pages)
     points = counter.points
     commit = points.index("publish")                       # the token's publish; the release's points follow
     assert "decref" in points[commit + 1:]
     for i, point in enumerate(points):
         dec, (t1, t2) = build()
         before = dec.cache.fingerprint()
-        dec.cache.fault_hook = FaultInjector(fail_at=i)
+        set_fault_hook(dec.cache, FaultInjector(fail_at=i))
         if i <= commit:
             with pytest.raises(InjectedFault):
                 dec.step(*t1)
             assert dec.cache.fingerprint() == before and dec.length == 7
-            dec.cache.fault_hook = no_fault
+            set_fault_hook(dec.cache, no_fault)
             np.testing.assert_array_equal(dec.step(*t1), clean_out)
             assert dec.cache.fingerprint() == clean_after_one
         else:
             np.testing.assert_array_equal(dec.step(*t1), clean_out)
             assert dec.length == 8 and dec.cache.fingerprint() != clean_after_one    # pages not given back yet
-            dec.cache.fault_hook = no_fault
+            set_fault_hook(dec.cache, no_fault)
         dec.cache.check_invariants()
         np.testing.assert_array_equal(dec.step(*t2), clean_out2)
         if i <= commit:
             assert dec.cache.fingerprint() == clean_after_two, f"fault #{i} at {point!r}"
         else:              # the same K/V, window and free pages (other page ids: the release came one step later)
-            np.testing.assert_equal((dec.kv(), dec.length, dec.cache.first_position(dec.seq),
+            np.testing.assert_equal((dec.kv(), dec.length, dec.cache.pool.first_position(dec.seq),
                                      dec.cache.num_free_pages), observable)
 
 
@@ -326,9 +328,10 @@ def test_wrapper_rejects_q_not_finite_in_the_compute_dtype(value):
 
 
 # -- 10. KVCache.transaction with an unhashable sequence id -------------------------------------------------------
-@pytest.mark.parametrize("num_tokens", [[0, 1], np.array([0]), {0, 1}])
+@pytest.mark.parametrize("num_tokens", [[[0, 1]], np.array([0]), {0, 1}])
 def test_transaction_with_an_unhashable_id_names_seq(num_tokens):
-    """`transaction([0, 1])` made the list a dict key: "TypeError: unhashable type: 'list'", no argument named."""
+    """`transaction([0, 1])` made the list a dict key: "TypeError: unhashable type: 'list'", no argument named.
+    (A list is now the one-token-each shape; a list inside it is the unhashable id.)"""
     cache = KVCache(num_kv_heads=1, head_dim=2, page_size=2, num_pages=4)
     cache.create_sequence()
     before = cache.fingerprint()

@@ -204,9 +204,9 @@ def test_identical_prompts_share_pages_copy_on_write():
     b = eng.add_request(prompt, GREEDY)
     eng.step()
     seqs = [r.decoder.seq for r in eng.scheduler.running]
-    tables = [eng.pool.cache.page_table(s)[:4].tolist() for s in seqs]
+    tables = [eng.pool.cache.pool.page_table(s)[:4].tolist() for s in seqs]
     assert tables[0] == tables[1]                                       # the full prompt pages are shared
-    assert all(eng.pool.cache.allocator.ref_count(p) == 2 for p in tables[0])
+    assert all(eng.pool.cache.pool.allocator.ref_count(p) == 2 for p in tables[0])
     final = drain(eng)
     assert final[a].output_token_ids == final[b].output_token_ids == reference(torch.float64, prompt, 12)[0]
 
@@ -517,7 +517,7 @@ def test_the_memory_budget_sizes_the_pool_by_the_raw_kv_formula(budget, kv_cache
         per_token += 2 * layers * kv_heads * 1 * 2                           # one float16 scale per 32 values
     pages = parse_memory("budget", budget) // (per_token * 8)
     assert eng.stats()["pages_total"] == pages
-    assert eng.pool.cache.pool_nbytes <= parse_memory("budget", budget) < eng.pool.cache.pool_nbytes + per_token * 8
+    assert eng.pool.cache.pool.nbytes <= parse_memory("budget", budget) < eng.pool.cache.pool.nbytes + per_token * 8
 
 
 def test_torch_keeps_its_thread_count_across_parallel_kernel_launches():
