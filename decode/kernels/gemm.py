@@ -1,22 +1,26 @@
-"""A register-blocked micro-GEMM for the multi-query kernel: one 4-row x `nv`-vector block of C accumulated over
-k, with each B row (a contiguous vector strip) loaded once per four A rows and A's elements broadcast.
+"""Register-blocked micro-GEMMs for the multi-query kernel: a strip of C rows, accumulated over k in blocks of
+6 (then 4) rows x `nv` vectors, each B row (a contiguous vector strip) loaded once per block of A rows and A's
+elements broadcast.
 
-    gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init)
-        C[i0 + a, c0 : c0 + nv * LANES] (=|+=) sum_{k < nk} A_flat[(i0 + a) * a_rs + k * a_cs] * B[k, c0 : ...]
-        for a < 4; init != 0 starts from zero, else from C.
+    gemm_strip(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init)
+        C[i, c0 : c0 + nv * LANES] (=|+=) sum_{k < nk} A_flat[i * a_rs + k * a_cs] * B[k, c0 : ...]
+        for i0 <= i < i1 (i1 - i0 a multiple of MR = 4); init != 0 starts from zero, else from C.
+    gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init)     the same for the 4 rows i0..i0+3
 
 A (any 2-D C-contiguous array, addressed flat with element strides a_rs / a_cs, so the same block serves A and
 A transposed) and B [nk.., cols] C-contiguous arrays of the accumulation dtype (A's = B's), C [rows, cols]
 C-contiguous, float32 or float64: float32 C with float64 A / B accumulates in float64 and rounds once into C
-(the multi-query kernel's exact scores). LANES = 16 for float32, 8 for float64 accumulation; nv in 1..4
-(4 x nv accumulators stay in registers over the k loop). A fresh C (init != 0, the multi-query kernel's score
-GEMM) of the accumulation dtype is summed in chunks of `KCHUNK` = 32 steps of k, each started from zero and
-added into C: one FMA chain over all of head_dim rounds at the magnitude of the running score at every step and
-came out up to 1.3x over the accuracy budget at head_dim 128, |q.k| ~ 3000 (tests/decode/test_int8_kernel.py
-test_score_magnitudes, tests/decode/test_multiquery.py); chunks of 32 took it to <= 0.4x. C += ... (init == 0,
-the PV GEMM) and a narrower C (a float64 sum rounded once into float32) stay one chain. The caller
-keeps every touched element inside the arrays (pads rows to 4 and columns to LANES). The plain-NumPy twin runs
-under NUMBA_DISABLE_JIT (the same chunks).
+(the multi-query kernel's exact scores). LANES = 16 for float32, 8 for float64 accumulation; nv in 1..4. A
+block's mr x nv accumulators (mr = 6: 24 of the 32 zmm registers) stay in registers over the whole k loop: per
+k, nv vector loads and mr broadcasts feed mr x nv FMAs (6 x 4: 10 loads per 24 FMAs; 4 x 4: 8 per 16). Every
+element of C is one FMA chain over k in order, whatever the block it falls in, so the blocking never changes a
+bit of the result. A fresh C (init != 0, the multi-query kernel's score GEMM) of the accumulation dtype is summed
+in chunks of `KCHUNK` = 32 steps of k, each started from zero and added into C: one FMA chain over all of
+head_dim rounds at the magnitude of the running score at every step and came out up to 1.3x over the accuracy
+budget at head_dim 128, |q.k| ~ 3000 (tests/decode/test_int8_kernel.py::test_score_magnitudes); chunks of 32
+took it to <= 0.33x. C += ... (init == 0, the PV GEMM) and a narrower C (a float64 sum rounded once into
+float32) stay one chain. The caller keeps every touched element inside the arrays (pads rows to 4 and columns
+to LANES). The plain-NumPy twins run under NUMBA_DISABLE_JIT (the same chunks).
 """
 import numpy as np
 
@@ -51,6 +55,12 @@ def gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init):
     C[i0:i0 + MR, c0:c0 + n] = blk
 
 
+def gemm_strip(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init):
+    """NumPy twin (see the module docstring)."""
+    for i in range(i0, i1, MR):
+        gemm4(A, a_rs, a_cs, i, B, c0, C, nk, nv, init)
+
+
 if JIT:
     from llvmlite import ir as _ir
     from numba.core import cgutils as _cg
@@ -62,7 +72,7 @@ if JIT:
         ary = context.make_array(aryty)(context, builder, arr)
         return ary.data, _cg.unpack_tuple(builder, ary.shape, 2)[1]
 
-    def _make_gemm(nv):
+    def _make_gemm(nv, mr=MR):
         def typer(typingctx, A, a_rs, a_cs, i0, B, c0, C, nk, init):
             if not (isinstance(A, types.Array) and isinstance(B, types.Array) and isinstance(C, types.Array)
                     and A.dtype == B.dtype and isinstance(B.dtype, types.Float) and isinstance(C.dtype, types.Float)
@@ -86,10 +96,10 @@ if JIT:
                 zero = _ir.Constant(vt, [0.0] * L)
                 is_init = builder.icmp_signed("!=", init_, _ir.Constant(_I64, 0))
                 a_rows = [builder.gep(a_data, [builder.mul(builder.add(i0_, _ir.Constant(_I64, a)), rs)])
-                          for a in range(MR)]
+                          for a in range(mr)]
                 c_ptrs = []
                 slots = []
-                for a in range(MR):
+                for a in range(mr):
                     crow = builder.gep(c_data, [builder.add(builder.mul(builder.add(i0_, _ir.Constant(_I64, a)),
                                                                         c_cols), c0_)])
                     for v in range(nv):
@@ -114,7 +124,7 @@ if JIT:
                         bv = [builder.load(builder.bitcast(builder.gep(brow, [_ir.Constant(_I64, v * L)]),
                                                            vt.as_pointer()), align=4) for v in range(nv)]
                         koff = builder.mul(k, cs)
-                        for a in range(MR):
+                        for a in range(mr):
                             x = builder.load(builder.gep(a_rows[a], [koff]))
                             xv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), x,
                                                                                _ir.Constant(_I32, 0)),
@@ -131,13 +141,31 @@ if JIT:
                             x = builder.select(first, x, builder.fadd(builder.load(p, align=4), x))
                             builder.store(x, p, align=4)
                             builder.store(zero, sl)
+=======
+                with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), nk_, _ir.Constant(_I64, 1)) as (k, _):
+                    brow = builder.gep(b_data, [builder.add(builder.mul(k, b_cols), c0_)])
+                    bv = [builder.load(builder.bitcast(builder.gep(brow, [_ir.Constant(_I64, v * L)]),
+                                                       vt.as_pointer()), align=4) for v in range(nv)]
+                    koff = builder.mul(k, cs)
+                    for a in range(mr):
+                        x = builder.load(builder.gep(a_rows[a], [koff]))
+                        xv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), x,
+                                                                           _ir.Constant(_I32, 0)),
+                                                    _ir.Constant(vt, None), splat)
+                        for v in range(nv):
+                            sl = slots[a * nv + v]
+                            builder.store(builder.call(fma, [xv, bv[v], builder.load(sl)]), sl)
+                for p, sl in zip(c_ptrs, slots):
+                    x = builder.load(sl)
+                    builder.store(builder.fptrunc(x, ct) if narrow else x, p, align=4)
+>>>>>>> main
                 return context.get_dummy_value()
 
             return types.void(A, a_rs, a_cs, i0, B, c0, C, nk, init), codegen
         return intrinsic(typer)
 
-    _GEMM = [_make_gemm(nv) for nv in (1, 2, 3, 4)]
-    _g1, _g2, _g3, _g4 = _GEMM
+    _g1, _g2, _g3, _g4 = (_make_gemm(nv) for nv in (1, 2, 3, 4))
+    _h1, _h2, _h3, _h4 = (_make_gemm(nv, 6) for nv in (1, 2, 3, 4))
 
     @overload(gemm4)
     def _gemm4_ov(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init):
@@ -150,4 +178,30 @@ if JIT:
                 _g2(A, a_rs, a_cs, i0, B, c0, C, nk, init)
             else:
                 _g1(A, a_rs, a_cs, i0, B, c0, C, nk, init)
+        return impl
+
+    @overload(gemm_strip)
+    def _gemm_strip_ov(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init):
+        def impl(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init):
+            i6 = i0 + (i1 - i0) // 12 * 12        # blocks of 6 rows up to here: the rest, a multiple of 4
+            if nv >= 4:
+                for i in range(i0, i6, 6):
+                    _h4(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                for i in range(i6, i1, MR):
+                    _g4(A, a_rs, a_cs, i, B, c0, C, nk, init)
+            elif nv == 3:
+                for i in range(i0, i6, 6):
+                    _h3(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                for i in range(i6, i1, MR):
+                    _g3(A, a_rs, a_cs, i, B, c0, C, nk, init)
+            elif nv == 2:
+                for i in range(i0, i6, 6):
+                    _h2(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                for i in range(i6, i1, MR):
+                    _g2(A, a_rs, a_cs, i, B, c0, C, nk, init)
+            else:
+                for i in range(i0, i6, 6):
+                    _h1(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                for i in range(i6, i1, MR):
+                    _g1(A, a_rs, a_cs, i, B, c0, C, nk, init)
         return impl

@@ -11,7 +11,9 @@ query heads of one kv head h: rows r = t*G + g (token-major). Per tile, keys are
     into ST; the scale is applied to the dot products), the online softmax runs down ST's columns (one per row: the max, exp and sum vectorise over
     rows), O [R, Dv] += P @ Vb with P read as ST transposed.
 
-Both products go through `gemm.gemm4` (4 x up to 64 register blocks). Only blocks that cross the causal diagonal
+Both products go through `gemm.gemm_strip` (6- then 4-row x up to 64-column register blocks; the column
+strip outermost, so QT's / Vb's strip stays in L1 while the other operand streams), and the next block's K / V
+rows are prefetched while the current one is computed. Only blocks that cross the causal diagonal
 (or the window's lower edge) are masked; masked entries get weight exactly 0. A unit of work is (run, kv head,
 tile, key range [ka, kb)); a unit whose range is a part of the tile's keys (split: fewer units than threads)
 stores its partial (max, sum, unnormalised O) in a workspace slot and the parts are merged afterwards.
@@ -25,9 +27,9 @@ occupy consecutive slots in key order, their number in `item_parts`.
 import numpy as np
 from numba import njit, prange
 
-from .gemm import MR, gemm4
+from .gemm import MR, gemm_strip
 from .loaders import block_rows
-from .simd import EXP_FLAGS, FAST, exp_inline
+from .simd import EXP_FLAGS, FAST, exp_inline, prefetch_lines
 from .units import merge_rows
 
 NEG = -3.0e38         # "no key yet" running max: finite (fastmath), below every admissible score
@@ -70,6 +72,20 @@ def _copy_block(pool, scales, pages, h, b0, nb, dst, st):
         row = dst[jj]
         for d in range(W):
             row[d] = 0.0
+
+
+@njit(cache=True, fastmath=FAST)
+def _prefetch_block(pool, pages, h, b0, nb):
+    """Hint the rows of kv head h at absolute positions b0..b0+nb-1 into the caches (the next block's K or V:
+    fetched while the current block is computed, so that `_copy_block` reads them from L2, not from memory)."""
+    P = pool.shape[2]
+    t = b0
+    while t < b0 + nb:
+        pg = t // P
+        s0 = t - pg * P
+        s1 = min(P, s0 + b0 + nb - t)
+        prefetch_lines(pool[pages[pg], h], s0, s1)
+        t += s1 - s0
 
 
 @njit(cache=True, fastmath=EXP_FLAGS)
@@ -160,12 +176,13 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
         nb = b1 - b0
         nbp = -(-nb // MR) * MR
         _copy_block(k_pages, k_scales, pages, h, b0, nb, Kb, st)
-        for j in range(0, nbp, MR):
-            c = 0
-            while c < Rp:
-                nv = min(4, (Rp - c) // LK)
-                gemm4(Kb, D, 1, j, QT, c, ST, D, nv, 1)
-                c += nv * LK
+        nxt = min(hi, b1 + block) - b1
+        _prefetch_block(k_pages, pages, h, b1, nxt)
+        c = 0
+        while c < Rp:            # a column strip of QT stays in L1 while the key rows stream past it
+            nv = min(4, (Rp - c) // LK)
+            gemm_strip(Kb, D, 1, 0, nbp, QT, c, ST, D, nv, 1)
+            c += nv * LK
         masked = (b1 - 1 > rpos[0]) | (b0 < rlo[R - 1])
         _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi, neg)
         for r in range(Rp):
@@ -175,13 +192,13 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
                 for d in range(Dvp):
                     row[d] *= a
         _copy_block(v_pages, v_scales, pages, h, b0, nb, Vb, st)
+        _prefetch_block(v_pages, pages, h, b1, nxt)
         st_cols = ST.shape[1]
-        for r in range(0, Rp, MR):
-            c = 0
-            while c < Dvp:
-                nv = min(4, (Dvp - c) // L)
-                gemm4(ST, 1, st_cols, r, Vb, c, O, nb, nv, 0)
-                c += nv * L
+        c = 0
+        while c < Dvp:           # a column strip of Vb stays in L1 while the rows of P stream past it
+            nv = min(4, (Dvp - c) // L)
+            gemm_strip(ST, 1, st_cols, 0, Rp, Vb, c, O, nb, nv, 0)
+            c += nv * L
         b0 = b1
 
 
