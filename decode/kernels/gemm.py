@@ -141,24 +141,6 @@ if JIT:
                             x = builder.select(first, x, builder.fadd(builder.load(p, align=4), x))
                             builder.store(x, p, align=4)
                             builder.store(zero, sl)
-=======
-                with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), nk_, _ir.Constant(_I64, 1)) as (k, _):
-                    brow = builder.gep(b_data, [builder.add(builder.mul(k, b_cols), c0_)])
-                    bv = [builder.load(builder.bitcast(builder.gep(brow, [_ir.Constant(_I64, v * L)]),
-                                                       vt.as_pointer()), align=4) for v in range(nv)]
-                    koff = builder.mul(k, cs)
-                    for a in range(mr):
-                        x = builder.load(builder.gep(a_rows[a], [koff]))
-                        xv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), x,
-                                                                           _ir.Constant(_I32, 0)),
-                                                    _ir.Constant(vt, None), splat)
-                        for v in range(nv):
-                            sl = slots[a * nv + v]
-                            builder.store(builder.call(fma, [xv, bv[v], builder.load(sl)]), sl)
-                for p, sl in zip(c_ptrs, slots):
-                    x = builder.load(sl)
-                    builder.store(builder.fptrunc(x, ct) if narrow else x, p, align=4)
->>>>>>> main
                 return context.get_dummy_value()
 
             return types.void(A, a_rs, a_cs, i0, B, c0, C, nk, init), codegen
