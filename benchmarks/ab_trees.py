@@ -30,7 +30,20 @@ SHAPES = [("MHA-fp32-4096", 32, 32, 128, 4096, "float32", 16, 1, 2),
           ("MQA-fp32-32768", 32, 1, 128, 32768, "float32", 16, 1, 4),
           ("GQA8-fp32-4096+128", 32, 4, 128, 4096, "float32", 16, 128, 4),
           ("GQA8-fp16-4096+128", 32, 4, 128, 4096, "float16", 16, 128, 4),
-          ("GQA8-fp32-0->512", 32, 4, 128, 0, "float32", 16, 512, 4)]
+          ("GQA8-fp32-0->512", 32, 4, 128, 0, "float32", 16, 512, 4),
+          ("MHA-bf16-4096", 32, 32, 128, 4096, "bfloat16", 16, 1, 2),
+          ("GQA8-bf16-4096", 32, 4, 128, 4096, "bfloat16", 16, 1, 8),
+          ("MQA-bf16-4096", 32, 1, 128, 4096, "bfloat16", 16, 1, 32),
+          ("GQA8-bf16-4096+128", 32, 4, 128, 4096, "bfloat16", 16, 128, 4)]
+
+
+def _pages(np, rng, shape, dt):
+    """Seeded pages of a storage format: float32 / float16 arrays, bfloat16 as its nearest-even uint16 bits."""
+    x = rng.standard_normal(shape, dtype=np.float32)
+    if dt != "bfloat16":
+        return x.astype(dt)
+    b = x.view(np.uint32).astype(np.uint64)
+    return (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF).astype(np.uint16)
 
 
 def _selected():
@@ -45,8 +58,7 @@ def _cases(np):
     cases = []
     for label, hq, hkv, d, n, dt, P, T, layers in _selected():
         npages = -(-(n + T) // P)
-        pools = [tuple(rng.standard_normal((npages, hkv, P, d), dtype=np.float32).astype(dt) for _ in range(2))
-                 for _ in range(layers)]
+        pools = [tuple(_pages(np, rng, (npages, hkv, P, d), dt) for _ in range(2)) for _ in range(layers)]
         cases.append((label, pools, rng.permutation(npages).astype(np.int32), np.array([0, npages], np.int64),
                       rng.standard_normal((T, hq, d)).astype(np.float32), np.zeros(T, np.int32),
                       np.arange(n, n + T, dtype=np.int64), np.empty((T, hq, d), np.float32), 1 / math.sqrt(d)))
@@ -72,7 +84,8 @@ def worker(tree):
     def call(case, i):
         _, pools, pi, ptr, q, qseq, qpos, out, scale = case
         k, v = pools[i % len(pools)]
-        attend_unchecked(q, k, v, pi, ptr, qseq, qpos, scale, 0, out, **kw)
+        extra = {"storage": "bfloat16"} if "bf16" in case[0] else {}
+        attend_unchecked(q, k, v, pi, ptr, qseq, qpos, scale, 0, out, **kw, **extra)
 
     for case in cases:                  # compile / warm outside the timings
         for i in range(3):
