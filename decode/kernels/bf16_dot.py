@@ -295,7 +295,7 @@ def dot14_bf(qb, g, parts, kp, t, n, last):
 if JIT:
     from numba.core import cgutils as _cg
 
-    from .simd import bf16_pairs_ir, reduce_many_ir
+    from .simd import bf16_pairs_ir, lane_mask, reduce_many_ir
 
     _I16 = _ir.IntType(16)
     _I32 = _ir.IntType(32)
@@ -367,12 +367,7 @@ if JIT:
                 dp = (_dp_pairs if f32q else _dp_native if native else _dp_emulated)(builder)
                 rem = builder.srem(n_, _ir.Constant(_I64, LANES))
                 full = builder.sub(n_, rem)
-                lane_ids = _ir.Constant(_ir.VectorType(_I64, LANES), list(range(LANES)))
-                splat = builder.insert_element(_ir.Constant(_ir.VectorType(_I64, LANES), None), rem,
-                                               _ir.Constant(_I32, 0))
-                splat = builder.shuffle_vector(splat, _ir.Constant(_ir.VectorType(_I64, LANES), None),
-                                               _ir.Constant(_ir.VectorType(_I32, LANES), [0] * LANES))
-                mask = builder.icmp_signed("<", lane_ids, splat)
+                mask = lane_mask(builder, rem, LANES)
                 mload = _cg.get_or_insert_function(
                     builder.module, _ir.FunctionType(_I16X, [_I16X.as_pointer(), _I32, mask.type, _I16X]),
                     "llvm.masked.load.v32i16.p0")
@@ -435,22 +430,16 @@ def testing_blocks(emulated: bool = False):
         return (lambda *a: np.array(dot44_bf(*a), np.float32)), (lambda *a: np.array(dot14_bf(*a), np.float32))
     d44, d14 = (_dot44_emu, _dot14_emu) if emulated else (_dot44_ir, _dot14_ir)
 
-    @njit
-    def f44(qb, g, parts, kp, t, n, last):
-        r = d44(qb, g, parts, kp, t, n, last)
-        out = np.empty(16, np.float32)
-        for i in range(16):
-            out[i] = r[i]
-        return out
-
-    @njit
-    def f14(qb, g, parts, kp, t, n, last):
-        r = d14(qb, g, parts, kp, t, n, last)
-        out = np.empty(4, np.float32)
-        for i in range(4):
-            out[i] = r[i]
-        return out
-    return f44, f14
+    def as_array(block, size):
+        @njit
+        def f(qb, g, parts, kp, t, n, last):
+            r = block(qb, g, parts, kp, t, n, last)
+            out = np.empty(size, np.float32)
+            for i in range(size):
+                out[i] = r[i]
+            return out
+        return f
+    return as_array(d44, 16), as_array(d14, 4)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -237,6 +237,14 @@ if JIT:
         x = builder.load(builder.bitcast(ptr, _ir.VectorType(ety, lanes).as_pointer()), align=storage.bitwidth // 8)
         return _widen(builder, x, storage, lanes, vt)
 
+    def lane_mask(builder, n, lanes):
+        """The <lanes x i1> mask of the lanes below ``n`` (an i64): a masked load's tail of a row."""
+        lane_ids = _ir.Constant(_ir.VectorType(_I64, lanes), list(range(lanes)))
+        splat = builder.insert_element(_ir.Constant(_ir.VectorType(_I64, lanes), None), n, _ir.Constant(_I32, 0))
+        splat = builder.shuffle_vector(splat, _ir.Constant(_ir.VectorType(_I64, lanes), None),
+                                       _ir.Constant(_ir.VectorType(_I32, lanes), [0] * lanes))
+        return builder.icmp_signed("<", lane_ids, splat)
+
     def _vload_masked(context, builder, ptr, storage, lanes, vt, mask):
         """`_vload` of the lanes where mask is set (the others read nothing and are zero)."""
         ety = context.get_value_type(storage)
@@ -349,12 +357,7 @@ if JIT:
                 with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), full, _ir.Constant(_I64, lanes)) as (i, _):
                     step(i, lambda ptr, st: _vload(context, builder, ptr, st, lanes, vt))
                 with builder.if_then(builder.icmp_signed(">", rem, _ir.Constant(_I64, 0)), likely=False):
-                    lane_ids = _ir.Constant(_ir.VectorType(_I64, lanes), list(range(lanes)))
-                    splat = builder.insert_element(_ir.Constant(_ir.VectorType(_I64, lanes), None), rem,
-                                                   _ir.Constant(_I32, 0))
-                    splat = builder.shuffle_vector(splat, _ir.Constant(_ir.VectorType(_I64, lanes), None),
-                                                   _ir.Constant(_ir.VectorType(_I32, lanes), [0] * lanes))
-                    mask = builder.icmp_signed("<", lane_ids, splat)
+                    mask = lane_mask(builder, rem, lanes)
                     step(full, lambda ptr, st: _vload_masked(context, builder, ptr, st, lanes, vt, mask))
                 sums = reduce_many_ir(builder, [builder.load(sl) for sl in slots], lanes)
                 return context.make_tuple(builder, sig.return_type, sums)
