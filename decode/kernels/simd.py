@@ -13,7 +13,13 @@ from numba.core import config as _nb_config
 from numba.extending import intrinsic, overload
 
 JIT = not _nb_config.DISABLE_JIT
-FAST = True  # fastmath: reassociation + FMA contraction; nothing here produces inf or NaN (no -inf sentinels)
+# fastmath flags of every kernel: FMA contraction, no inf / NaN (no -inf sentinels), no signed zeros. No "reassoc"
+# (nor "arcp" / "afn"): with it LLVM may order a function's float operations differently in each module it is
+# optimised in (alone, or re-optimised inside a caller), and which copy a call binds to depends on what the
+# process compiled or loaded from numba's cache, so a fresh process and one with a warm cache gave different bits
+# (tests/decode/test_determinism.py::test_fresh_compile_equals_cache_load). The explicit SIMD blocks below fix
+# the order of every sum themselves.
+FAST = {"nnan", "ninf", "nsz", "contract"}
 EXP_FLAGS = {"nnan", "ninf", "nsz", "contract"}  # no reassoc: it would undo the Cody-Waite split
 
 # --------------------------------------------------------------------------------------------------------------
