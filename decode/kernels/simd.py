@@ -17,10 +17,9 @@ JIT = not _nb_config.DISABLE_JIT
 # (nor "arcp" / "afn"): with it LLVM may order a function's float operations differently in each module it is
 # optimised in (alone, or re-optimised inside a caller), and which copy a call binds to depends on what the
 # process compiled or loaded from numba's cache, so a fresh process and one with a warm cache gave different bits
-# (tests/decode/test_determinism.py::test_fresh_compile_equals_cache_load). The explicit SIMD blocks below fix
-# the order of every sum themselves.
+# (tests/decode/test_determinism.py::test_more_threads_than_cores_and_fresh_compile_equals_cache_load).
 FAST = {"nnan", "ninf", "nsz", "contract"}
-EXP_FLAGS = {"nnan", "ninf", "nsz", "contract"}  # no reassoc: it would undo the Cody-Waite split
+EXP_FLAGS = FAST  # exp needs no reassoc either: it would undo the Cody-Waite split
 
 # --------------------------------------------------------------------------------------------------------------
 # scalar helpers: element load (float16 bits -> float32), exact 2**n, polynomial exp
