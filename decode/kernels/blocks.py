@@ -166,13 +166,35 @@ def softmax_block(S, nb, m, l, acc, first, scale):
                     ag[d] *= alpha
                 lg *= alpha
                 mg = mb
-        s = z
         for c in range(nb):
-            p = exp((Sg[c] - mg) * scale)
-            Sg[c] = p
-            s += p
+            Sg[c] = exp((Sg[c] - mg) * scale)
         m[g] = mg
-        l[g] = lg + s
+        l[g] = lg + lane_sum(Sg, nb)
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def lane_sum(x, n):
+    """x[0] + ... + x[n-1] in a fixed order that vectorises without fastmath's reassociation: eight running sums
+    (lane j takes x[j], x[j + 8], ...), added pairwise, then the last n % 8 in order. The kernels compile without
+    `reassoc` (`simd.FAST`), so a plain running sum would stay scalar, and with it its loop's exp."""
+    z = x[0] - x[0]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = z
+    c = 0
+    while c + 8 <= n:
+        a0 += x[c]
+        a1 += x[c + 1]
+        a2 += x[c + 2]
+        a3 += x[c + 3]
+        a4 += x[c + 4]
+        a5 += x[c + 5]
+        a6 += x[c + 6]
+        a7 += x[c + 7]
+        c += 8
+    s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+    while c < n:
+        s += x[c]
+        c += 1
+    return s
 
 
 @njit(cache=True)
