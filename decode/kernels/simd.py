@@ -427,11 +427,11 @@ if JIT:
     _pv4_ir = _make_pv(4, 2)
     _pv1_ir = _make_pv(1, 2)
 
-    @overload(dot44)
+    @overload(dot44, inline="always")
     def _dot44_ov(qs, g, kp, t, n, last):
         return lambda qs, g, kp, t, n, last: _dot44_ir(qs, g, kp, t, n, last)
 
-    @overload(dot14)
+    @overload(dot14, inline="always")
     def _dot14_ov(qs, g, kp, t, n, last):
         return lambda qs, g, kp, t, n, last: _dot14_ir(qs, g, kp, t, n, last)
 
