@@ -59,8 +59,7 @@ def new_cache(args, model, batch, tokens):
         from decode.hf import PagedCache
 
         kwargs = {} if args.storage == "auto" else {"dtype": args.storage}
-        return PagedCache(model.config, max_tokens=batch * (tokens + 2 * args.page_size), page_size=args.page_size,
-                          **kwargs)
+        return PagedCache.for_generate(model.config, batch, tokens, page_size=args.page_size, **kwargs)
     if args.impl == "static":
         from transformers import StaticCache
 
