@@ -21,7 +21,7 @@ from kvcache import mapped
 
 from decode.attention_plan import LONGEST_MIN_RUN, SPLIT_TOKENS, TILE_ROWS, TILED_SPLIT
 
-CHUNK_BYTES = 2 << 20       # a call's queries, outputs and split-K workspace together (compute dtype)
+CHUNK_BYTES = 8 << 20       # a call's queries, outputs and split-K workspace together (compute dtype)
 SCRATCH_MMAP_BYTES = 256 << 10   # scratch arrays from this size on are mappings of their own (`kvcache.mapped`)
 
 
