@@ -387,7 +387,7 @@ class ShardedTransaction(CommitOnExit):
         if not self._open:
             return
         try:
-            self.validator.close(self.scratch, commit=True)
+            self.validator.finish(self.scratch, commit=True)
             missing = sorted(set(range(self.validator.num_layers)) - self.layers)
             if missing and self.num_tokens:
                 raise ValueError(f"commit: expected every layer written, got layers "
@@ -416,7 +416,7 @@ class ShardedTransaction(CommitOnExit):
         if not self._open:
             return
         self._open = False
-        self.validator.close(self.scratch, commit=False)
+        self.validator.finish(self.scratch, commit=False)
         cluster = self.family.cluster
         alive = [w for w in self.began if w not in cluster.lost]
         if alive:

@@ -94,7 +94,7 @@ class Validator:
         checks_for(self.decoder).kv(k, v, num_tokens)
         check_int("layer", layer, maximum=self.num_layers - 1)
 
-    def close(self, scratch, commit: bool) -> None:
+    def finish(self, scratch, commit: bool) -> None:
         """End a scratch transaction: commit (raising the single-process error when a layer is missing) and let
         the tokens go, or roll back."""
         if scratch is None:

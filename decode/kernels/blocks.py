@@ -200,7 +200,7 @@ def lane_sum(x, n):
 @njit(cache=True)
 def unit_range(units, u, query_pos, window):
     """Work unit ``u`` as (query, lo, hi, workspace slot): row ``u`` of a plan's ``units [U, 4]``
-    (`decode.plan_units`), or, with no plan (``units`` empty: the serial kernels), query ``u`` over its whole
+    (`units.plan_units`), or, with no plan (``units`` empty: the serial kernels), query ``u`` over its whole
     visible range ``lo..p`` (lo = 0, or p - window + 1 with a window) with slot -1 (normalise into out)."""
     if units.shape[0] == 0:
         hi = query_pos[u] + 1

@@ -1,4 +1,4 @@
-"""The paged decode-attention kernels (`decode._kernels` through `decode.attention`) against a naive oracle.
+"""The paged decode-attention kernels (`decode.kernels` through `decode.attention`) against a naive oracle.
 
 Accuracy contract, per storage dtype (`TOL`): |out - oracle| <= atol + rtol * |oracle| + factor * err_numpy, where
 the oracle is float64 NumPy on the stored values (float16 K/V widened exactly) and err_numpy is the max error of
