@@ -25,7 +25,7 @@ NEW = journal.Journal.save_bytes
 
 def copying_save_bytes(self, view):
     saved = view.copy()
-    self._undo.append(lambda: view.__setitem__(Ellipsis, saved))
+    self.record(lambda: view.__setitem__(Ellipsis, saved))
 
 
 def one(kind: str, k, v, dtype: str) -> tuple[int, float]:

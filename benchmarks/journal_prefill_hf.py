@@ -19,7 +19,7 @@ kind, prompt, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if kind == "old":
     def save_bytes(self, view):
         saved = view.copy()
-        self._undo.append(lambda: view.__setitem__(Ellipsis, saved))
+        self.record(lambda: view.__setitem__(Ellipsis, saved))
     J.Journal.save_bytes = save_bytes
 torch.manual_seed(0); torch.set_num_threads(2)
 cfg = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,

@@ -19,6 +19,8 @@ a batch, checked once against released pages) is `plan_token` / `plan_batch` ove
     plan = AttentionPlan(query_seq, query_pos, window, q_shape, v_shape, storage)
     plan.run(q, k_run, v_run, page_indices, page_indptr, scale, window, out, k_scales=None, v_scales=None)
 """
+import weakref
+
 import numba
 import numpy as np
 
@@ -316,6 +318,18 @@ class LayerPools:
         self.v_shape = self.v_run[0].shape
 
 
+_POOLS = weakref.WeakKeyDictionary()            # cache -> its LayerPools
+
+
+def pools_of(cache) -> LayerPools:
+    """The `LayerPools` of ``cache``, made once per cache (its page arrays never move) and shared by every
+    decoder over it."""
+    pools = _POOLS.get(cache)
+    if pools is None:
+        pools = _POOLS.setdefault(cache, LayerPools(cache))
+    return pools
+
+
 _QUERY_SEQ1 = np.zeros(1, dtype=np.int32)          # one query of CSR row 0 (read only)
 
 
@@ -358,17 +372,17 @@ def check_held(cache, seqs: list, indices: np.ndarray, indptr: np.ndarray, start
         raise_released(cache, seqs[b], int(first[bad[0]]), int(start[b]))
 
 
-def attend_token(decoder, token, layer: int, q, k, v, plan: AttentionPlan | None = None):
+def attend_token(decoder, pools: LayerPools, token, layer: int, q, k, v, plan: AttentionPlan | None = None):
     """Write one token's checked ``k``/``v`` into ``token``'s slot (`kvcache.TokenWrite`) in ``layer`` and
-    attend with ``q [num_q_heads, head_dim]`` (working precision) over positions ``.. token.positions[0]``.
-    Returns ``(out [num_q_heads, head_dim_v], plan)``; ``plan`` is made on the first layer of a token
-    (`plan_token`) and passed back in for the others."""
+    attend with ``q [num_q_heads, head_dim]`` (working precision) over positions ``.. token.positions[0]`` of
+    ``decoder``'s sequence; ``pools``: its cache's (`pools_of`). Returns ``(out [num_q_heads, head_dim_v],
+    plan)``; ``plan`` is made on the first layer of a token (`plan_token`) and passed back in for the others."""
     token.write(layer, k, v)
     if plan is None:
-        plan = plan_token(decoder.cache, decoder.pools, decoder.seq, token.pages(), int(token.positions[0]),
-                          decoder.num_q_heads, decoder.window, getattr(decoder, "precision", "default"))
-    out = np.empty(plan.out_shape, dtype=decoder.inputs.q_dtype)
-    return plan.run_layer(decoder.pools, layer, q[None], decoder.scale, decoder.window, out)[0], plan
+        plan = plan_token(decoder.cache, pools, decoder.seq, token.pages(), int(token.positions[0]),
+                          decoder.num_q_heads, decoder.window)
+    out = np.empty(plan.out_shape, dtype=pools.compute)
+    return plan.run_layer(pools, layer, q[None], decoder.scale, decoder.window, out)[0], plan
 
 
 def raise_released(cache, seq: int, first: int, position: int):

@@ -7,7 +7,7 @@ import numpy as np
 
 from .decoder import Decoder
 from .inputs import (check_batch_counts, check_batch_token_ids, check_decoders, check_single_layer, check_tokens,
-                     list_counts, split_ragged)
+                     checks_for, list_counts, split_ragged)
 from .decoder_transaction import DecoderTransaction
 
 
@@ -52,7 +52,7 @@ def batch_step(decoders, q, k, v, *, token_ids=None) -> np.ndarray:
     """
     decoders = check_decoders(decoders, Decoder)
     check_single_layer(decoders[0].config, "batch_step")
-    q, k, v = decoders[0].inputs.tokens(q, k, v, len(decoders))     # everything checked before any reservation
+    q, k, v = checks_for(decoders[0]).tokens(q, k, v, len(decoders))     # everything checked before any reservation
     counts = check_batch_counts(decoders, None)
     with DecoderTransaction(decoders, counts, check_batch_token_ids(decoders, counts, True, token_ids)) as tx:
         return tx.step(0, q, k, v, checked=True)

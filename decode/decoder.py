@@ -17,9 +17,9 @@ from kvcache import KVCache
 from kvcache.checks import check_int
 
 from . import window as _window
-from .attention_plan import LayerPools, attend_token
+from .attention_plan import attend_token, pools_of
 from .decoder_transaction import DecoderTransaction
-from .inputs import (InputChecks, check_cache, check_decoder_args, check_single_layer, check_tokens, check_truncate,
+from .inputs import (check_cache, check_decoder_args, check_single_layer, check_tokens, check_truncate, checks_for,
                      num_tokens_of)
 
 
@@ -87,9 +87,8 @@ class Decoder:
         self.cache, self.seq = cache, new_seq()
         self.num_q_heads = num_q_heads
         self.scale = scale
-        # what the Decoder API's other modules share (decoder_transaction, batch, attention_plan, distributed):
-        self.inputs = InputChecks(cache, num_q_heads, self.scale)   # the input checks, ``q_dtype`` (`decode.inputs`)
-        self.pools = LayerPools(cache)                          # per-layer page views (`decode.attention_plan`)
+        self._inputs = checks_for(self)            # the checks of this decoder's inputs (`decode.inputs`)
+        self._pools = pools_of(cache)              # per-layer page views (`decode.attention_plan`)
 
     # -- state --------------------------------------------------------------------------------------------
     @property
@@ -116,10 +115,10 @@ class Decoder:
 
         The lean path: one jitted input check, the cache's single-token slot, the write and one kernel call."""
         check_single_layer(self.config, "step")
-        q, k, v = self.inputs.token(q, k, v)
+        q, k, v = self._inputs.token(q, k, v)
         token = self.cache.transaction(self.seq, token_ids=token_ids)
         try:
-            out = attend_token(self, token, 0, q, k, v)[0]
+            out = attend_token(self, self._pools, token, 0, q, k, v)[0]
             token.commit()
         except BaseException:
             token.rollback()

@@ -7,8 +7,8 @@ slots, positions and page tables; what every layer shares is planned once (`deco
 import numpy as np
 
 from . import window as _window
-from .inputs import check_tokens, split_ragged
-from .attention_plan import attend_token, plan_batch
+from .attention_plan import attend_token, plan_batch, pools_of
+from .inputs import check_tokens, checks_for, split_ragged
 
 
 class CommitOnExit:
@@ -40,6 +40,8 @@ class DecoderTransaction(CommitOnExit):
         self._counts = [num_tokens[d.seq] for d in decoders]
         self._plans = {}                # number of queries -> `decode.attention_plan.AttentionPlan`, see `_attend`
         self._token_plan = None         # the one-query path's plan (`attend_token`)
+        self._checks = checks_for(decoders[0])   # the decoders' input checks (one num_q_heads / scale)
+        self._pools = pools_of(self.cache)       # the pool's per-layer views the kernels read
         # reserve (CacheFullError and bad ids leave everything as it was)
         if self._counts.count(1) == len(self._counts):          # one token each: the slot shapes
             self._tx = self.cache.transaction([d.seq for d in decoders], token_ids=token_ids)
@@ -107,15 +109,15 @@ class DecoderTransaction(CommitOnExit):
     def step(self, layer: int, q, k, v, *, checked: bool = False) -> np.ndarray:
         """One token per decoder: ``q [B, num_q_heads, head_dim]``, ``k [B, num_kv_heads, head_dim]``,
         ``v [B, num_kv_heads, head_dim_v]`` with B = number of decoders (the B axis may be dropped for one
-        decoder) -> ``[B, num_q_heads, head_dim_v]``. ``checked``: ``[B, ...]`` arrays validated and cast by
-        `Decoder.inputs` already."""
+        decoder) -> ``[B, num_q_heads, head_dim_v]``. ``checked``: ``[B, ...]`` arrays validated and cast already
+        (`decode.inputs.checks_for(decoder).tokens`)."""
         if (q.ndim if type(q) is np.ndarray else np.ndim(q)) == 2 and self._counts == [1]:
             try:                                    # `_guard`, inlined: the per-layer path of a decode step
                 if not self._open:
                     raise RuntimeError("transaction: expected an open transaction, got one already finished")
-                dec = self.decoders[0]
-                q, k, v = dec.inputs.token(q, k, v)
-                out, self._token_plan = attend_token(dec, self._tx, layer, q, k, v, self._token_plan)
+                q, k, v = self._checks.token(q, k, v)
+                out, self._token_plan = attend_token(self.decoders[0], self._pools, self._tx, layer, q, k, v,
+                                                     self._token_plan)
                 return out
             except BaseException:
                 if self._open:
@@ -126,7 +128,7 @@ class DecoderTransaction(CommitOnExit):
     def _step_batch(self, layer, q, k, v, checked: bool = False) -> np.ndarray:
         count = len(self.decoders)
         if not checked:
-            q, k, v = self.decoders[0].inputs.tokens(q, k, v, count)     # [B, H, D]: one token per sequence
+            q, k, v = self._checks.tokens(q, k, v, count)     # [B, H, D]: one token per sequence
         if any(c != 1 for c in self._counts):
             raise ValueError(f"step: expected a transaction of one new token per decoder, got num_tokens "
                              f"{self._counts} (use extend)")
@@ -152,9 +154,9 @@ class DecoderTransaction(CommitOnExit):
         dec = self.decoders[0]
         plan = self._plans.get(len(q))
         if plan is None:
-            plan = self._plans[len(q)] = plan_batch(self.cache, dec.pools, [d.seq for d in self.decoders],
+            plan = self._plans[len(q)] = plan_batch(self.cache, self._pools, [d.seq for d in self.decoders],
                                                     self._tx.indices, self._tx.indptr, self._tx.positions,
                                                     self._counts, q.shape,
                                                     dec.window, self._query_seq(), self._query_pos())
-        out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=dec.inputs.q_dtype)
-        return plan.run_layer(dec.pools, layer, q, dec.scale, dec.window, out)
+        out = np.empty((len(q), dec.num_q_heads, self.cache.config.head_dim_v), dtype=self._pools.compute)
+        return plan.run_layer(self._pools, layer, q, dec.scale, dec.window, out)

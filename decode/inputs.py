@@ -20,12 +20,15 @@ exceed the compute dtype made the fastmath kernel return NaN, raise ZeroDivision
 """
 import math
 import numbers
+import weakref
 
 import numpy as np
 from numba import njit
 
 from kvcache import KVCache, quant
 from kvcache.checks import as_float_array, cast_to_storage, check_int, check_shape
+
+from .attention_plan import compute_dtype
 
 
 FLOAT16_OVERFLOW = 65520.0                      # smallest magnitude that rounds to inf in float16
@@ -98,7 +101,7 @@ class InputChecks:
     def __init__(self, cache, num_q_heads: int, scale: float):
         cfg = cache.config
         self.cache, self.num_q_heads = cache, num_q_heads
-        self.q_dtype = np.dtype(np.float64 if cfg.dtype == np.float64 else np.float32)
+        self.q_dtype = compute_dtype(cfg.dtype)
         self.q_limit, self.kv_limit = magnitude_limits(self.q_dtype, cfg.head_dim, scale)
         self._limits = {}                                        # (q, k, v dtypes) -> limits of the jitted check
         self.q_shape = (num_q_heads, cfg.head_dim)               # one token: [num_q_heads, head_dim]
@@ -179,6 +182,23 @@ class InputChecks:
         return np.ascontiguousarray(q)
 
 
+_CHECKS = weakref.WeakKeyDictionary()          # cache -> {(num_q_heads, scale): InputChecks}
+
+
+def checks_for(decoder) -> InputChecks:
+    """The input checks of ``decoder`` (a `decode.Decoder`): one `InputChecks` per cache, num_q_heads and scale,
+    made once and shared by every decoder with those settings (what `DecoderTransaction`, `batch_step` and
+    `decode.distributed` check a decoder's tokens with)."""
+    per_cache = _CHECKS.get(decoder.cache)
+    if per_cache is None:
+        per_cache = _CHECKS.setdefault(decoder.cache, {})
+    key = (decoder.num_q_heads, decoder.scale)
+    checks = per_cache.get(key)
+    if checks is None:
+        checks = per_cache.setdefault(key, InputChecks(decoder.cache, decoder.num_q_heads, decoder.scale))
+    return checks
+
+
 def check_single_layer(config, what: str) -> None:
     """ValueError unless the pool has one layer (the single-layer calls; several layers go through transactions)."""
     if config.num_layers != 1:
@@ -199,10 +219,10 @@ def check_tokens(decoders, counts, q, k, v):
     decoder, as in `DecoderTransaction.extend`; q may be None -> ragged ``q [N, num_q_heads, head_dim]``
     (working precision; None if q is), ``k``, ``v`` (storage dtype). Errors of the list form name the element
     (``q[1]: ...``), of the ragged form the ragged index."""
-    dec = decoders[0]
+    checks = checks_for(decoders[0])
     if not any(isinstance(x, (list, tuple)) for x in (q, k, v)):
         total = sum(counts)
-        return (None if q is None else dec.inputs.query(q, total)), *dec.inputs.kv(k, v, total)
+        return (None if q is None else checks.query(q, total)), *checks.kv(k, v, total)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x is None and name == "q":
             continue
@@ -215,8 +235,8 @@ def check_tokens(decoders, counts, q, k, v):
     for b, count in enumerate(counts):
         try:
             if q is not None:
-                parts[0].append(dec.inputs.query(q[b], count))
-            kb, vb = dec.inputs.kv(k[b], v[b], count)
+                parts[0].append(checks.query(q[b], count))
+            kb, vb = checks.kv(k[b], v[b], count)
         except (TypeError, ValueError) as e:
             msg = str(e)
             raise type(e)(f"{msg[0]}[{b}]{msg[1:]}" if msg[1:2] == ":" else msg) from None

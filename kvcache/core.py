@@ -1,6 +1,6 @@
 """`CacheCore`: the state of a `KVCache` and the page bookkeeping every mutating operation shares.
 
-The cache's modules (`kvcache.appends`, `kvcache.lifecycle`, `kvcache.integrity`, `kvcache.snapshot_state`) work on
+The cache's modules (`kvcache.appender`, `kvcache.lifecycle`, `kvcache.integrity`, `kvcache.snapshot_state`) work on
 one `CacheCore` through its public names below; `KVCache` is the facade over them. Nothing here validates user
 input: the callers did. Every change is recorded in a `Journal` by the caller's rules (see `kvcache.cache`).
 

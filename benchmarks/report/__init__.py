@@ -9,6 +9,4 @@
 The JSON of the run the committed document shows is benchmarks/results/full-run.json. Hand-written notes in
 docs/benchmarks.md between ``<!-- notes:begin -->`` and ``<!-- notes:end -->`` survive a re-render.
 """
-from __future__ import annotations
 
-from .cli import main  # noqa: F401

@@ -106,15 +106,14 @@ def cmd_bench(args) -> int:
     return subprocess.call(cmd, cwd=root)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvengine", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_audit(sub) -> None:
     p = sub.add_parser("audit", help="reproduce the source document's figures")
     p.add_argument("--out", default="audit-out", help="directory for the CSV/JSON results (default audit-out)")
     p.add_argument("--reference", default=None, help="committed reference copy to compare with")
     p.set_defaults(func=cmd_audit)
 
+
+def _add_memory(sub) -> None:
     p = sub.add_parser("memory", help="KV bytes: formula vs measured")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--q-heads", type=int, default=32)
@@ -129,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_memory)
 
+
+def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="decode with a small random transformer through the engine")
     p.add_argument("--tokens", type=int, default=256, help="tokens to generate")
     p.add_argument("--layers", type=int, default=4)
@@ -140,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_demo)
 
+
+def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="a tiny transformers model: DynamicCache+sdpa vs PagedCache+pagedkv",
                        description="A tiny random-weight transformers model generates greedily twice, DynamicCache + "
                        "sdpa and PagedCache + pagedkv, same weights and prompts; prints tokens/s, token agreement, "
@@ -166,10 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a report")
     p.set_defaults(func=cmd_generate)
 
+
+def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="run the benchmark suite")
     p.add_argument("--quick", action="store_true", help="small shapes only")
     p.add_argument("--json", default=None, help="save pytest-benchmark JSON here")
     p.set_defaults(func=cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvengine", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_audit(sub)
+    _add_memory(sub)
+    _add_demo(sub)
+    _add_generate(sub)
+    _add_bench(sub)
 
     from . import serve_cli
     serve_cli.add_parsers(sub)

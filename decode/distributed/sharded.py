@@ -19,6 +19,7 @@ from kvcache import CacheFullError
 from kvcache.checks import check_int
 
 from ..decoder_transaction import CommitOnExit
+from ..inputs import checks_for
 from .cluster import Cluster, raise_first
 from .placement import ContextLayout, HeadsLayout
 from .validate import Validator
@@ -358,7 +359,7 @@ class ShardedTransaction(CommitOnExit):
         cfg = self.validator.config
         try:
             single = q is not None and np.ndim(q) == 2
-            q = None if q is None else np.ascontiguousarray(q, dtype=self.validator.decoder.inputs.q_dtype)
+            q = None if q is None else np.ascontiguousarray(q, dtype=checks_for(self.validator.decoder).q_dtype)
             k, v = np.asarray(k, dtype=cfg.dtype), np.asarray(v, dtype=cfg.dtype)
             layout = self.family.layout
             if layout.name == "context" and single:
@@ -386,7 +387,7 @@ class ShardedTransaction(CommitOnExit):
         if not self._open:
             return
         try:
-            self.validator.close(self.scratch, commit=True)
+            self.validator.finish(self.scratch, commit=True)
             missing = sorted(set(range(self.validator.num_layers)) - self.layers)
             if missing and self.num_tokens:
                 raise ValueError(f"commit: expected every layer written, got layers "
@@ -415,7 +416,7 @@ class ShardedTransaction(CommitOnExit):
         if not self._open:
             return
         self._open = False
-        self.validator.close(self.scratch, commit=False)
+        self.validator.finish(self.scratch, commit=False)
         cluster = self.family.cluster
         alive = [w for w in self.began if w not in cluster.lost]
         if alive:

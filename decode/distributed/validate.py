@@ -6,12 +6,13 @@ scratch sequences are truncated back to 0). The exception a bad input raises is 
 one, type and message. Cost per call: the checks plus one kernel call over one token per row (tens of us).
 
 Calls whose single-process checks need a pool as large as the request (a T-token transaction) use the
-Decoder's checks, the ones `DecoderTransaction` runs (`InputChecks.query`, `InputChecks.kv` of `Decoder.inputs`,
+Decoder's checks, the ones `DecoderTransaction` runs (`InputChecks.query`, `InputChecks.kv` of `checks_for(decoder)`,
 `kvcache.checks.check_int("layer", ...)`), in the same order.
 """
 import numpy as np
 
 from decode import Decoder, batch_step, batch_transaction
+from decode.inputs import checks_for
 from kvcache import KVCache
 from kvcache.checks import check_int
 from kvcache.config import CacheConfig
@@ -89,11 +90,11 @@ class Validator:
             raise ValueError(f"step: expected a one-token transaction (use extend for several tokens), "
                              f"got num_tokens={num_tokens}")
         if kind == "extend":
-            self.decoder.inputs.query(q, num_tokens)
-        self.decoder.inputs.kv(k, v, num_tokens)
+            checks_for(self.decoder).query(q, num_tokens)
+        checks_for(self.decoder).kv(k, v, num_tokens)
         check_int("layer", layer, maximum=self.num_layers - 1)
 
-    def close(self, scratch, commit: bool) -> None:
+    def finish(self, scratch, commit: bool) -> None:
         """End a scratch transaction: commit (raising the single-process error when a layer is missing) and let
         the tokens go, or roll back."""
         if scratch is None:

@@ -7,12 +7,14 @@
                   sequence, K/V blocks loaded once per tile of rows), its units body and drivers
     loaders.py    the row loaders (float32, float64, float16 bits, bfloat16 bits, int8 + float16 scales) both
                   skeletons call per page tile; int8's pieces in int8_rows.py / int8_simd.py
-    blocks.py     jitted building blocks over one page tile: q.k scores, p.v accumulation, online-softmax update,
-                  query load, normalise
+    blocks.py     jitted building blocks over one page tile: q.k scores (one block loop for every dot, the dot
+                  chosen at compile time), p.v accumulation, online-softmax update, query load, normalise
+    bf16_dot.py   bfloat16 pages by vdpbf16ps: q split exactly into bfloat16 parts, the 4 x 4 / 1 x 4 dot blocks
     simd.py       scalar and SIMD helpers: element loads, prefetch, exact 2**n, polynomial exp, LLVM-IR dot and PV
                   register blocks (each with a plain-Python twin for NUMBA_DISABLE_JIT)
     gemm.py       the 4-row register-blocked micro-GEMM in LLVM IR that tiled.py's tiles run on
     input_check.py the one-pass input check of the validating wrapper (its codes: `CheckCode`)
+    cachedir.py   where numba's on-disk cache goes (imported first)
 
 Everything here takes arrays and scalars only: no globals, no objects, no checks. Planning (which kernel, which
 units) is `decode.attention_plan`; the validating entry point is `decode.attention.paged_decode_attention`;

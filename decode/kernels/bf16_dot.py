@@ -22,9 +22,9 @@ A part that is zero adds exact zeros, so a bfloat16 q gets the same bits in mode
     split_query(qi, qb, qf, mode) -> parts  one query q [Hq, D] float32 -> qb [H, G, 3 * Dp] int16 parts (Dp = D
                                             rounded up to 32, zero padded; parts 1-3) or qf [H, G, Dp] float32
                                             halves (parts -1); 0: mode 0 / not bfloat16 pages
-    qk_bf(qb, parts, kp, s0, s1, S, c0)     S[g, c0 + t - s0] = q[g] . kp[t], like `blocks.qk` (qb int16 parts, or
-                                            qf float32 halves with parts 1)
-    dot44_bf / dot14_bf                     the register blocks (4 heads x 4 keys, 1 x 4), LLVM IR; NumPy twins
+    dot44_bf / dot14_bf                     the register blocks (4 heads x 4 keys, 1 x 4), LLVM IR; NumPy twins:
+                                            `blocks.qk`'s loop runs them (qb int16 parts, or qf float32 halves
+                                            with parts 1) as it runs `simd.dot44` / `dot14` on q itself
 
 Without avx512bf16 (`HOST` False) the IR blocks compute the same sums with a 16-bit shift / mask and two FMAs
 per pair of lanes (`native=False`, bit for bit the instruction's sums); the plan keeps such machines on mode 0.
@@ -36,7 +36,6 @@ from numba import njit, types
 from numba.core import config as _nb_config
 from numba.extending import intrinsic, overload
 
-from .blocks import store4, store44, store_some
 from .simd import FAST, JIT
 
 LANES = 32                      # bfloat16 elements per 512-bit vector
@@ -440,37 +439,3 @@ def testing_blocks(emulated: bool = False):
             return out
         return f
     return as_array(d44, 16), as_array(d14, 4)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# scores of a query-head group against key rows
-# --------------------------------------------------------------------------------------------------------------
-@njit(cache=True, fastmath=FAST)
-def qk_bf(qb, parts, kp, s0, s1, S, c0):
-    """S[g, c0 + t - s0] = q[g] . kp[t] for t in [s0, s1): qb [G, 3 * Dp] int16 parts of q (`split_query`), kp
-    [page_size, D] int16 bfloat16 bits. Blocks as `blocks.qk` (a short last block repeats the last row)."""
-    G = qb.shape[0]
-    D = kp.shape[1]
-    g = 0
-    while g + 4 <= G:
-        S0, S1, S2, S3 = S[g], S[g + 1], S[g + 2], S[g + 3]
-        t = s0
-        c = c0
-        while t + 4 <= s1:
-            store44(S0, S1, S2, S3, c, dot44_bf(qb, g, parts, kp, t, D, s1 - 1))
-            t += 4
-            c += 4
-        if t < s1:
-            store_some(S, g, 4, c, dot44_bf(qb, g, parts, kp, t, D, s1 - 1), s1 - t)
-        g += 4
-    while g < G:
-        Sg = S[g]
-        t = s0
-        c = c0
-        while t + 4 <= s1:
-            store4(Sg, c, dot14_bf(qb, g, parts, kp, t, D, s1 - 1), 0)
-            t += 4
-            c += 4
-        if t < s1:
-            store_some(S, g, 1, c, dot14_bf(qb, g, parts, kp, t, D, s1 - 1), s1 - t)
-        g += 1

@@ -1,11 +1,13 @@
-"""Jitted building blocks over one page tile of one kv head: scores of a query-head group against key rows, the
+"""Jitted building blocks over one page tile of one kv head: scores of a query-head group against key rows (one
+block loop for every dot: float32 / float64 q by `simd`'s blocks, q's bfloat16 parts by `bf16_dot`'s), the
 weighted sum of value rows, the online-softmax update, the query load and normalisation (the split-K merge is
 `units.merge_rows`).
 Rows are taken as 1-D views and inner loops run over range(n) so that LLVM sees non-negative indices (no
 wraparound select) and vectorises them."""
 from numba import njit
 
-from .simd import FAST, dot14, dot44, exp, ld, pv1, pv4
+from .bf16_dot import dot14_bf, dot44_bf
+from .simd import FAST, JIT, dot14, dot44, exp, ld, pv1, pv4
 
 
 @njit(cache=True, fastmath=FAST)
@@ -35,37 +37,76 @@ def store_some(S, g, heads, c, r, keys):
             S[g + a, c + b] = r[4 * a + b]
 
 
+def dot44_q(q, g, parts, kp, t, n, last):
+    """The 4 heads x 4 keys block of `qk` for q as given: parts None, q itself in the accumulation dtype
+    (`simd.dot44`); else q as `bf16_dot.split_query` prepared it, its first ``parts`` bfloat16 parts (int16) or its
+    float32 halves (`bf16_dot.dot44_bf`). Chosen at compile time by the type of ``parts``."""
+    if parts is None:
+        return dot44(q, g, kp, t, n, last)
+    return dot44_bf(q, g, parts, kp, t, n, last)
+
+
+def dot14_q(q, g, parts, kp, t, n, last):
+    """The 1 head x 4 keys block of `qk` (`simd.dot14` / `bf16_dot.dot14_bf`, as `dot44_q`)."""
+    if parts is None:
+        return dot14(q, g, kp, t, n, last)
+    return dot14_bf(q, g, parts, kp, t, n, last)
+
+
+if JIT:
+    from numba import types
+    from numba.extending import overload
+
+    def _plain(parts):
+        return parts is None or isinstance(parts, (types.NoneType, types.Omitted))
+
+    @overload(dot44_q, inline="always")
+    def _dot44_q_ov(q, g, parts, kp, t, n, last):
+        if _plain(parts):
+            return lambda q, g, parts, kp, t, n, last: dot44(q, g, kp, t, n, last)
+        return lambda q, g, parts, kp, t, n, last: dot44_bf(q, g, parts, kp, t, n, last)
+
+    @overload(dot14_q, inline="always")
+    def _dot14_q_ov(q, g, parts, kp, t, n, last):
+        if _plain(parts):
+            return lambda q, g, parts, kp, t, n, last: dot14(q, g, kp, t, n, last)
+        return lambda q, g, parts, kp, t, n, last: dot14_bf(q, g, parts, kp, t, n, last)
+
+
 @njit(cache=True, fastmath=FAST)
-def qk(qs, kp, s0, s1, S, c0):
-    """S[g, c0 + t - s0] = qs[g] . kp[t] for t in [s0, s1).  qs: [G, D] in the accumulation dtype (float32, or
-    float64 for precision="highest": K widened exactly, every product exact, each score rounded once into S),
-    kp: [page_size, D] storage rows (any format `ld` widens). Blocks of 4 query heads x 4 keys (groups >= 4)
-    or 1 x 4 (`dot44` / `dot14`: each key row loaded once per block, the 16 or 4 dot products reduced
-    together); a short last block repeats the last row, so every score is summed the same way."""
+def qk(qs, kp, s0, s1, S, c0, parts=None):
+    """S[g, c0 + t - s0] = qs[g] . kp[t] for t in [s0, s1), over the first D = kp.shape[1] elements of each row.
+    kp: [page_size, D] storage rows (any format `ld` widens). qs: parts None, [G, D] in the accumulation dtype
+    (float32, or float64 for precision="highest": K widened exactly, every product exact, each score rounded once
+    into S); for bfloat16 pages q as `bf16_dot.split_query` prepared it (parts > 0: [G, 3 * Dp] int16 bfloat16
+    parts, vdpbf16ps; parts 1 with float32 [G, Dp]: its (even, odd) halves). One block loop for every dot: blocks
+    of 4 query heads x 4 keys (groups >= 4) or 1 x 4 (`dot44_q` / `dot14_q`: each key row loaded once per block,
+    the 16 or 4 dot products reduced together); a short last block repeats the last row, so every score is
+    summed the same way."""
     G = qs.shape[0]
-    D = qs.shape[1]
+    D = kp.shape[1]
     g = 0
     while g + 4 <= G:
         S0, S1, S2, S3 = S[g], S[g + 1], S[g + 2], S[g + 3]
         t = s0
         c = c0
         while t + 4 <= s1:
-            store44(S0, S1, S2, S3, c, dot44(qs, g, kp, t, D, s1 - 1))
+            store44(S0, S1, S2, S3, c, dot44_q(qs, g, parts, kp, t, D, s1 - 1))
             t += 4
             c += 4
         if t < s1:
-            store_some(S, g, 4, c, dot44(qs, g, kp, t, D, s1 - 1), s1 - t)
+            store_some(S, g, 4, c, dot44_q(qs, g, parts, kp, t, D, s1 - 1), s1 - t)
         g += 4
     while g < G:
         Sg = S[g]
         t = s0
         c = c0
         while t + 4 <= s1:
-            store4(Sg, c, dot14(qs, g, kp, t, D, s1 - 1), 0)
+            store4(Sg, c, dot14_q(qs, g, parts, kp, t, D, s1 - 1), 0)
             t += 4
             c += 4
         if t < s1:
-            store_some(S, g, 1, c, dot14(qs, g, kp, t, D, s1 - 1), s1 - t)
+            store_some(S, g, 1, c, dot14_q(qs, g, parts, kp, t, D, s1 - 1), s1 - t)
         g += 1
 
 
@@ -137,7 +178,7 @@ def softmax_block(S, nb, m, l, acc, first, scale):
 @njit(cache=True)
 def unit_range(units, u, query_pos, window):
     """Work unit ``u`` as (query, lo, hi, workspace slot): row ``u`` of a plan's ``units [U, 4]``
-    (`decode.plan_units`), or, with no plan (``units`` empty: the serial kernels), query ``u`` over its whole
+    (`units.plan_units`), or, with no plan (``units`` empty: the serial kernels), query ``u`` over its whole
     visible range ``lo..p`` (lo = 0, or p - window + 1 with a window) with slot -1 (normalise into out)."""
     if units.shape[0] == 0:
         hi = query_pos[u] + 1

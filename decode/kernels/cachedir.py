@@ -12,7 +12,7 @@ def writable_dir(path):
         return False
 
 
-def _configure_cache_dir():
+def configure_cache_dir():
     """`cache=True` writes next to this file (`__pycache__`). When that is impossible (read-only install) and the
     user set no NUMBA_CACHE_DIR, point numba at a per-user cache directory instead, before any decorator runs."""
     if os.environ.get("NUMBA_CACHE_DIR"):
@@ -31,4 +31,4 @@ def _configure_cache_dir():
     return None
 
 
-NUMBA_CACHE_FALLBACK = _configure_cache_dir()
+NUMBA_CACHE_FALLBACK = configure_cache_dir()

@@ -1,4 +1,4 @@
-"""32-lane int8 micro-kernels for the int8 kernels (`decode.kernels.int8`, `decode.kernels.int8_rows`), in LLVM IR,
+"""32-lane int8 micro-kernels for the int8 kernels (the int8 row loader, `decode.kernels.int8_rows`), in LLVM IR,
 each with a plain-NumPy twin used under NUMBA_DISABLE_JIT:
 
     widen32   one scale group of int8 values -> float32 times its scale

@@ -17,15 +17,15 @@ scaled format is a new branch here. Shapes: ``kp`` / ``vp`` [page_size, width] r
 [chunk rows, width].
 
     tile_scales(scales, page, h, st)                      int8: st <- the page tile's scales as float32
-    score_rows(qh, kp, st, scales, r0, r1, Sh, c, kt)     Sh[g, c + t - r0] = qh[g] . row t   (t in [r0, r1))
-    score_rows_parts(qh, qb, qf, parts, kp, st, scales, ...)  the same, by `bf16_dot.qk_bf` over q's bfloat16
-                                          parts qb (parts > 0) or float32 halves qf (parts -1); bfloat16 pages
+    score_rows(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt)
+                                          Sh[g, c + t - r0] = q[g] . row t (t in [r0, r1)): `blocks.qk` on qh, or
+                                          for bfloat16 pages on q's bfloat16 parts qb (parts > 0) or float32
+                                          halves qf (parts -1) (`bf16_dot.split_query`); int8: `int8_rows`
     value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt)     ah[g, :] += Sh[g, c + t - r0] * row t
     block_rows(tile, scales, page, h, s0, s1, dst, j, st) dst[j + s - s0, :width] = row s   (tiled K/V blocks)
 """
 import numpy as np
 
-from .bf16_dot import qk_bf
 from .blocks import pv, qk
 from .int8_rows import block_rows_int8, score_rows_int8, value_rows_int8
 from .int8_simd import h2f_all
@@ -39,23 +39,18 @@ def tile_scales(scales, page, h, st):
         h2f_all(scales[page, h], st)
 
 
-def score_rows(qh, kp, st, scales, r0, r1, Sh, c, kt):
-    """Scores of the query-head group qh [G, D] against rows r0..r1-1 of kp (any format)."""
-    if scales is None:
-        qk(qh, kp, r0, r1, Sh, c)
-    else:
+def score_rows(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
+    """Scores of the query-head group against rows r0..r1-1 of kp (any format): of qh [G, D] itself, or for
+    bfloat16 pages of q as `bf16_dot.split_query` prepared it (parts > 0: its bfloat16 parts qb [G, 3 * Dp],
+    vdpbf16ps; parts -1: its float32 halves qf [G, Dp], two FMAs per pair; 0: qh)."""
+    if scales is not None:
         score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt)
-
-
-def score_rows_parts(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
-    """`score_rows`, or for bfloat16 pages the scores of q as prepared by `bf16_dot.split_query`: vdpbf16ps over
-    its bfloat16 parts qb [G, 3 * Dp] (parts > 0) or FMAs over its float32 halves qf [G, Dp] (parts -1)."""
-    if parts > 0 and scales is None and kp.dtype == np.int16:
-        qk_bf(qb, parts, kp, r0, r1, Sh, c)
-    elif parts < 0 and scales is None and kp.dtype == np.int16:
-        qk_bf(qf, 1, kp, r0, r1, Sh, c)
+    elif parts > 0 and kp.dtype == np.int16:
+        qk(qb, kp, r0, r1, Sh, c, parts)
+    elif parts < 0 and kp.dtype == np.int16:
+        qk(qf, kp, r0, r1, Sh, c, 1)
     else:
-        score_rows(qh, kp, st, scales, r0, r1, Sh, c, kt)
+        qk(qh, kp, r0, r1, Sh, c)
 
 
 def value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt):
@@ -102,24 +97,21 @@ if JIT:
         return lambda scales, page, h, st: h2f_all(scales[page, h], st)
 
     @overload(score_rows, inline="always")
-    def _score_rows_ov(qh, kp, st, scales, r0, r1, Sh, c, kt):
-        if _floats(scales):
-            return lambda qh, kp, st, scales, r0, r1, Sh, c, kt: qk(qh, kp, r0, r1, Sh, c)
-        return lambda qh, kp, st, scales, r0, r1, Sh, c, kt: score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt)
+    def _score_rows_ov(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
+        if not _floats(scales):
+            return lambda qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt: score_rows_int8(qh, kp, st, r0, r1,
+                                                                                                 Sh, c, kt)
+        if kp.dtype != types.int16:
+            return lambda qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt: qk(qh, kp, r0, r1, Sh, c)
 
-    @overload(score_rows_parts, inline="always")
-    def _score_rows_parts_ov(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
-        if _floats(scales) and kp.dtype == types.int16:
-            def impl(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
-                if parts > 0:
-                    qk_bf(qb, parts, kp, r0, r1, Sh, c)
-                elif parts < 0:
-                    qk_bf(qf, 1, kp, r0, r1, Sh, c)
-                else:
-                    qk(qh, kp, r0, r1, Sh, c)
-            return impl
-        return lambda qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt: score_rows(qh, kp, st, scales, r0, r1,
-                                                                                       Sh, c, kt)
+        def bf16_pages(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
+            if parts > 0:
+                qk(qb, kp, r0, r1, Sh, c, parts)
+            elif parts < 0:
+                qk(qf, kp, r0, r1, Sh, c, 1)
+            else:
+                qk(qh, kp, r0, r1, Sh, c)
+        return bf16_pages
 
     @overload(value_rows, inline="always")
     def _value_rows_ov(Sh, c, vp, st, scales, r0, r1, ah, vt):

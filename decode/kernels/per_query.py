@@ -14,7 +14,7 @@ from numba import njit, prange
 
 from .bf16_dot import q_buffers, split_query
 from .blocks import load_heads, normalise, softmax_block, unit_range
-from .loaders import score_rows_parts, tile_scales, value_rows
+from .loaders import score_rows, tile_scales, value_rows
 from .simd import FAST, prefetch_lines
 from .units import merge_rows
 
@@ -63,7 +63,7 @@ def walk_block(values, qs, qb, qf, parts, pool, nxt_pool, scales, pages, b0, b1,
                 if values:
                     value_rows(S[h], c + r - s0, tile, st, scales, r, r1, acc[h], rows)
                 else:
-                    score_rows_parts(qs[h], qb[h], qf[h], parts, tile, st, scales, r, r1, S[h], c + r - s0, rows)
+                    score_rows(qs[h], qb[h], qf[h], parts, tile, st, scales, r, r1, S[h], c + r - s0, rows)
                 r = r1
         c += s1 - s0
         t += s1 - s0

@@ -1,4 +1,4 @@
-"""The tiled multi-query kernel over int8 pages (`decode.kernels.multiquery` with scale arrays: every K/V block
+"""The tiled multi-query kernel over int8 pages (`decode.kernels.tiled` with scale arrays: every K/V block
 widened from int8 + float16 group scales into the tile's float32 block) against the float64 oracle computed on
 the *dequantized* K/V: |out - oracle| <= 1e-6 + 3 * err_numpy, err_numpy the max error of the same plain NumPy
 computation in float32 on the same dequantized values (the float32 budget of the other storage dtypes).

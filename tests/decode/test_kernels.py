@@ -1,4 +1,4 @@
-"""The paged decode-attention kernels (`decode._kernels` through `decode.attention`) against a naive oracle.
+"""The paged decode-attention kernels (`decode.kernels` through `decode.attention`) against a naive oracle.
 
 Accuracy contract, per storage dtype (`TOL`): |out - oracle| <= atol + rtol * |oracle| + factor * err_numpy, where
 the oracle is float64 NumPy on the stored values (float16 K/V widened exactly) and err_numpy is the max error of
@@ -544,16 +544,16 @@ def test_cache_dir_fallback(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     real = K.writable_dir
     monkeypatch.setattr(K, "writable_dir", lambda path: "__pycache__" not in path and real(path))
-    chosen = K._configure_cache_dir()
+    chosen = K.configure_cache_dir()
     assert chosen == str(tmp_path / "xdg" / "pagedkv" / "numba")
     assert config.CACHE_DIR == chosen and K.os.environ["NUMBA_CACHE_DIR"] == chosen
     monkeypatch.delenv("NUMBA_CACHE_DIR")
     monkeypatch.setattr(K, "writable_dir", lambda path: "__pycache__" not in path and "xdg" not in path
                         and real(path))
-    chosen = K._configure_cache_dir()
+    chosen = K.configure_cache_dir()
     assert chosen is not None and "pagedkv-numba" in chosen and config.CACHE_DIR == chosen
     monkeypatch.setenv("NUMBA_CACHE_DIR", "/somewhere")          # an explicit setting always wins
-    assert K._configure_cache_dir() is None
+    assert K.configure_cache_dir() is None
 
 
 def test_thresholds_are_sane():

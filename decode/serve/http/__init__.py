@@ -5,9 +5,9 @@
     Server(engine, ServedModel(("name",), random_weights=False, description="...")).run()
 
 Modules: protocol (request validation, response JSON; no FastAPI), engine_loop (the thread that owns the
-engine), metrics (Prometheus), app (the routes), server (uvicorn, signals, a background-thread mode for tests).
+engine), metrics (Prometheus), routes (the FastAPI app and its routes), server (uvicorn, signals, a background-thread mode for tests).
 """
-from .app import ServedModel, build_app
+from .routes import ServedModel, build_app
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
 from .protocol import APIError

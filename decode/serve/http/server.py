@@ -19,7 +19,7 @@ import time
 
 import uvicorn
 
-from .app import ServedModel, build_app
+from .routes import ServedModel, build_app
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
 

@@ -66,24 +66,26 @@ class _Stream:
         return item
 
 
-def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> FastAPI:
-    engine = loop.engine
-    limits = protocol.Limits(served.names, int(engine.max_model_len), vocab_size_of(engine))
-    created = int(time.time())
-    app = FastAPI(title="kvengine", docs_url=None, redoc_url=None, openapi_url=None)
-    channels: dict = {}
+class _Admission:
+    """Requests into the engine loop: parse, admit (submit with a stream of their outputs), answer; errors in
+    OpenAI's shape. One per app."""
 
-    def channel_of(event_loop) -> Channel:
-        if event_loop not in channels:
-            channels.clear()                       # one server runs one event loop; drop a stale one
-            channels[event_loop] = Channel(event_loop)
-        return channels[event_loop]
+    def __init__(self, loop: EngineLoop, metrics: ServerMetrics, limits: protocol.Limits):
+        self.loop, self.metrics, self.limits = loop, metrics, limits
+        self.channels: dict = {}
 
-    async def admit(req: protocol.ParsedRequest, request: Request):
+    def channel_of(self, event_loop) -> Channel:
+        if event_loop not in self.channels:
+            self.channels.clear()                  # one server runs one event loop; drop a stale one
+            self.channels[event_loop] = Channel(event_loop)
+        return self.channels[event_loop]
+
+    async def admit(self, req: protocol.ParsedRequest, request: Request):
+        loop = self.loop
         if not loop.admitting:
             raise protocol.APIError(503, "the server is shutting down; no new requests are admitted", None,
                                     "service_unavailable")
-        stream = _Stream(loop, channel_of(asyncio.get_running_loop()))
+        stream = _Stream(loop, self.channel_of(asyncio.get_running_loop()))
         try:
             params = make_sampling_params(req.sampling)
             await asyncio.wrap_future(loop.submit(req.prompt_token_ids, params, req.request_id, stream.sink,
@@ -94,12 +96,12 @@ def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> 
             raise protocol.bad(api_param(getattr(exc, "param", None), req), str(exc)) from None
         return stream
 
-    async def handle(request: Request, parse):
+    async def handle(self, request: Request, parse):
         try:
-            req = parse(await read_json(request), engine.tokenizer, limits)
-            stream = await admit(req, request)
+            req = parse(await read_json(request), self.loop.engine.tokenizer, self.limits)
+            stream = await self.admit(req, request)
         except protocol.APIError as err:
-            metrics.rejected.inc()
+            self.metrics.rejected.inc()
             return error_response(err)
         except ClientDisconnect:                   # gone before its body arrived: nothing was admitted
             return Response(status_code=499)
@@ -108,13 +110,35 @@ def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> 
                                      headers={"Cache-Control": "no-cache"})
         return await whole_response(req, stream, request)
 
+
+def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> FastAPI:
+    engine = loop.engine
+    limits = protocol.Limits(served.names, int(engine.max_model_len), vocab_size_of(engine))
+    app = FastAPI(title="kvengine", docs_url=None, redoc_url=None, openapi_url=None)
+    admission = _Admission(loop, metrics, limits)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await handle(request, protocol.parse_completion)
+        return await admission.handle(request, protocol.parse_completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await handle(request, protocol.parse_chat)
+        return await admission.handle(request, protocol.parse_chat)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        """Unknown routes and methods answer in OpenAI's error shape too."""
+        return error_response(protocol.APIError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                f"{exc.detail}", None, "invalid_request_error"))
+
+    add_model_routes(app, served, limits)
+    add_status_routes(app, loop, metrics)
+    return app
+
+
+def add_model_routes(app: FastAPI, served: ServedModel, limits: protocol.Limits) -> None:
+    """GET /v1/models and /v1/models/{name}."""
+    created = int(time.time())
 
     def card(name: str) -> dict:
         return protocol.model_card(name, created, served.random_weights, limits.max_model_len, served.description)
@@ -130,12 +154,9 @@ def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> 
         except protocol.APIError as err:
             return error_response(err)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        """Unknown routes and methods answer in OpenAI's error shape too."""
-        return error_response(protocol.APIError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                f"{exc.detail}", None, "invalid_request_error"))
 
+def add_status_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics) -> None:
+    """GET /health and /metrics."""
     @app.get("/health")
     async def health():
         if loop.error is not None:
@@ -147,8 +168,6 @@ def build_app(loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
 
 
 async def whole_response(req: protocol.ParsedRequest, stream: _Stream, request: Request):
