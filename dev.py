@@ -12,6 +12,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -26,7 +27,9 @@ def venv_python() -> Path:
 
 def run(*cmd, env=None) -> None:
     print("+", " ".join(str(c) for c in cmd), flush=True)
+    start = time.monotonic()
     code = subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env)
+    print(f"dev.py: {time.monotonic() - start:.0f} s wall, exit code {code}", flush=True)
     if code != 0:
         sys.exit(code)
 
@@ -45,17 +48,34 @@ def ensure_venv() -> Path:
     return py
 
 
+def workers() -> int:
+    """pytest-xdist processes for the test stages: $TEST_WORKERS (e.g. 2), default 1 (the tests run in the pytest
+    process itself). Not yet the default: under -n 2 on a loaded 2-core machine a Ray worker compiling the kernels
+    cold missed the distributed runtime's 60 s answer timeout (tests/distributed/test_equivalence)."""
+    return int(os.environ.get("TEST_WORKERS") or 1)
+
+
+def pytest(py: Path, *args, env, spread=True) -> None:
+    """pytest -q on `args`; with spread, over `workers()` processes, whole files to a worker (--dist loadfile: a
+    file's tests share their compiled kernels and fixtures) unless the caller passed its own -n."""
+    cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    n = workers()
+    if spread and n > 1 and not any(a == "-n" or str(a).startswith("--numprocesses") for a in args):
+        cmd += ["-n", str(n), "--dist", "loadfile"]
+    run(*cmd, *args, env=env)
+
+
 def test(py: Path, extra) -> None:
     env = dict(os.environ)
-    run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, env=env)
+    pytest(py, *extra, env=env)
     if CONFORMANCE.is_dir():
-        run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", ROOT, CONFORMANCE, env=env)
+        pytest(py, "--rootdir", ROOT, CONFORMANCE, env=env, spread=False)
     # the benchmark files run once, untimed, so they never rot
-    run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "benchmarks", "--benchmark-disable", "--quick", env=env)
+    pytest(py, "benchmarks", "--benchmark-disable", "--quick", env=env)
     # the kernel tests again, without the JIT and with bounds checks, on a reduced grid
     for flag in ("NUMBA_DISABLE_JIT", "NUMBA_BOUNDSCHECK"):
-        run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "kernel", "--reduced-grid",
-            env={**env, flag: "1", "NUMBA_CACHE_DIR": str(ROOT / ".venv" / f"numba-{flag.lower()}")})
+        pytest(py, "-m", "kernel", "--reduced-grid",
+               env={**env, flag: "1", "NUMBA_CACHE_DIR": str(ROOT / ".venv" / f"numba-{flag.lower()}")})
 
 
 def main(argv) -> None:

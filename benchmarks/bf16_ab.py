@@ -1,5 +1,6 @@
 """bfloat16 pages vs float16 / float32 in the per-query (decode) kernel, and the bf16 score modes (`decode.kernels.bf16_dot`),
-A/B interleaved in one process over `AttentionPlan.run` (round by round, order alternating); medians of rounds.
+A/B interleaved in one process over `AttentionPlan.run` (round by round, order alternating); medians of rounds,
+and each variant's median per-round ratio to the first variant ("V/first").
 Variants: f32, f16, bf16:M (mode M, float32 q), bf16:Mx (mode M, q rounded to bfloat16). Not collected by pytest.
 
     python -m benchmarks.bf16_ab [--tokens 4096,32768] [--pages 16,32] [--shapes MHA,GQA-kv8,GQA-kv4,MQA] [--sets hot,cold]
@@ -79,7 +80,10 @@ for shape in a.shapes.split(","):
                             t0 = clock(); call(ctr); tt.append(clock() - t0)
                         ts.append(np.median(tt))
                 row = {"shape": shape, "tokens": L, "page": P, "set": st}
+                base = runs[next(iter(runs))][1]
                 for v, (_, ts) in runs.items():
                     row[v] = round(float(np.median(ts)) * 1e3, 3)
+                for v, (_, ts) in list(runs.items())[1:]:     # median of per-round ratios to the first variant
+                    row[v + "/first"] = round(float(np.median(np.array(ts) / np.array(base))), 3)
                 results.append(row)
                 print(json.dumps(row), flush=True)

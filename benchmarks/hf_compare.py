@@ -32,8 +32,9 @@ ALL_IMPLS = ("dynamic", "static", "paged")
 
 
 def case_args(case, quick: bool, layers: int | None = None, model_dtype: str = "float32",
-              storage: str = "float32", threads: int = 2) -> list[str]:
-    _, prompt, batch, new, forks = case
+              storage: str = "float32", threads: int = 2, new: int | None = None) -> list[str]:
+    _, prompt, batch, case_new, forks = case
+    new = case_new if new is None else new
     model = list(QUICK_MODEL if quick else MODEL)
     if layers is not None:
         model[1] = str(layers)
@@ -42,9 +43,9 @@ def case_args(case, quick: bool, layers: int | None = None, model_dtype: str = "
 
 
 def run_case(case, impl: str, quick: bool, layers: int | None = None, model_dtype: str = "float32",
-             storage: str = "float32", threads: int = 2) -> dict:
+             storage: str = "float32", threads: int = 2, new: int | None = None) -> dict:
     return run_module("benchmarks.hf_generate", "--impl", impl,
-                      *case_args(case, quick, layers, model_dtype, storage, threads), timeout=3600)
+                      *case_args(case, quick, layers, model_dtype, storage, threads, new), timeout=3600)
 
 
 def summarize(name: str, runs: dict) -> dict:
@@ -128,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--storage", default="float32", help="PagedCache pages: float32 | float16 | bfloat16 | auto")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new", type=int, default=None, help="new tokens per generate() (default: the case's)")
     p.add_argument("--issue20", action="store_true", help="issue 20's cases (512 and 4096 x batch 1 and 8)")
     p.add_argument("--out", default=None, help="write the runs and the summary as JSON here")
     args = p.parse_args(argv)
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
             k = repeat % len(impls)
             for impl in impls[k:] + impls[:k]:
                 runs[impl].append(run_case(case, impl, args.quick, args.layers, args.model_dtype, args.storage,
-                                              args.threads))
+                                              args.threads, args.new))
                 print(f"{case[0]} {impl}: prefill {runs[impl][-1]['prefill_s']:.3f} s, decode "
                       f"{runs[impl][-1]['decode_s']:.4f} s/token", file=sys.stderr, flush=True)
         rows.append(summarize(case[0], runs))

@@ -15,6 +15,8 @@ import statistics
 import sys
 import time
 
+from benchmarks.hf_generate import WARM_COLUMNS
+
 
 def timed(fn):
     cpu, wall = time.process_time(), time.perf_counter()
@@ -120,9 +122,10 @@ def main(argv=None) -> int:
             return which(input_ids=tokens, past_key_values=caches[impl], use_cache=True, logits_to_keep=1).logits
 
     for impl in impls:                                        # compile / warm up outside the timings
-        caches[impl] = make_cache(impl, model, args, 64)
-        forward(impl, ids[:, :8])
-        forward(impl, ids[:, 8:9])
+        warm = min(args.prompt, WARM_COLUMNS)                 # every prefill kernel route (`hf_generate`)
+        caches[impl] = make_cache(impl, model, args, warm + 1)
+        forward(impl, ids[:, :warm])
+        forward(impl, ids[:, warm:warm + 1])
     prefill, steps, logits = {i: [] for i in impls}, {i: [] for i in impls}, {}
     for rep in range(args.prefill_repeats):
         for impl in (impls if rep % 2 == 0 else impls[::-1]):

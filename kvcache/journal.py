@@ -1,7 +1,7 @@
 """An undo journal: every change made by a cache operation records its inverse, and a failure replays the
 inverses newest-first, so metadata and bytes return exactly to what they were (O(changes), not O(cache)).
 
-Bytes no token ever used need no copy: the pool is allocated zeroed (`np.zeros`), so the slots of a page no
+Bytes no token ever used need no copy: the pool is allocated zeroed (`kvcache.mapped.zeros`), so the slots of a page no
 committed token was ever written to hold zero bits, and their undo is to write zeros back. `save_bytes` checks
 that (one read of the view, no allocation) instead of trusting any bookkeeping, so a prefill into fresh pages
 keeps no copy of what it overwrites while a write over bytes someone left there (a freed page's old K/V, a

@@ -1,7 +1,7 @@
 """`PagePool`: the preallocated page arrays of one cache and every byte-level operation on them (checked input
 -> stored rows, page copy for copy-on-write, dense reads, hashing), for the float dtypes, bfloat16 and int8.
 
-Arrays (all layers; allocated once with ``np.zeros``, lazily backed by the OS, never grown or moved):
+Arrays (all layers; allocated once with `kvcache.mapped.zeros`, lazily backed by the OS, never grown or moved):
 
     k:        [num_layers, num_pages, num_kv_heads, page_size, head_dim]      storage dtype (int8 for int8;
                                                                               uint16 bits for bfloat16)
@@ -17,7 +17,7 @@ widens to float32 (exact).
 """
 import numpy as np
 
-from . import bf16, quant
+from . import bf16, mapped, quant
 from .checks import check_storable
 from .config import CacheConfig
 from .jit_store import BFLOAT16, FLOAT16, as_f32_bits, scatter_kv, scatter_kv_bits, store_token_bits
@@ -31,12 +31,12 @@ class PagePool:
     def __init__(self, cfg: CacheConfig):
         self.config = cfg
         self.quantized = cfg.dtype == quant.VALUE_DTYPE
-        self.k = np.zeros((cfg.num_layers,) + cfg.k_page_shape, dtype=cfg.dtype)   # lazily backed by the OS
-        self.v = np.zeros((cfg.num_layers,) + cfg.v_page_shape, dtype=cfg.dtype)
+        self.k = mapped.zeros((cfg.num_layers,) + cfg.k_page_shape, cfg.dtype)     # lazily backed by the OS
+        self.v = mapped.zeros((cfg.num_layers,) + cfg.v_page_shape, cfg.dtype)
         if self.quantized:
             lead = (cfg.num_layers, cfg.num_pages, cfg.num_kv_heads, cfg.page_size)
-            self.k_scales = np.zeros(lead + (quant.num_groups(cfg.head_dim),), dtype=quant.SCALE_DTYPE)
-            self.v_scales = np.zeros(lead + (quant.num_groups(cfg.head_dim_v),), dtype=quant.SCALE_DTYPE)
+            self.k_scales = mapped.zeros(lead + (quant.num_groups(cfg.head_dim),), quant.SCALE_DTYPE)
+            self.v_scales = mapped.zeros(lead + (quant.num_groups(cfg.head_dim_v),), quant.SCALE_DTYPE)
             self.arrays = (self.k, self.v, self.k_scales, self.v_scales)
         else:
             self.k_scales = self.v_scales = None

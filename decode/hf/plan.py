@@ -80,7 +80,7 @@ class ForwardPlan:
         self.plans_made = 0
         self._plans = {}                  # window -> [(chunk, AttentionPlan)]
         self._shape = None                # (num_q_heads, head_dim) of the first layer's q: the plans'
-        self._buffers = None              # (q, out) compute-dtype chunk buffers, made at the first layer
+        self._most = 0                    # queries of the largest chunk (its q / out buffers, made per layer)
 
     # -- planning (once per forward) --------------------------------------------------------------------------
     def _tables(self, counts, upto) -> None:
@@ -142,9 +142,7 @@ class ForwardPlan:
         limit = query_chunks.chunk_limit(int(self.query_pos.max(initial=0)), num_q_heads, cfg.head_dim, dv,
                                          num_q_heads // cfg.num_kv_heads, self.compute.itemsize, single=single)
         self._chunks = query_chunks.chunks(self.first, self.width, limit)
-        most = max(((b1 - b0) * (t1 - t0) for b0, b1, t0, t1, _ in self._chunks), default=0)
-        self._buffers = (np.empty((most, num_q_heads, cfg.head_dim), self.compute),
-                         np.empty((most, num_q_heads, dv), self.compute))
+        self._most = max(((b1 - b0) * (t1 - t0) for b0, b1, t0, t1, _ in self._chunks), default=0)
 
     # -- one layer --------------------------------------------------------------------------------------------
     def run_layer(self, layer: int, query, key, value, scale, window: int) -> torch.Tensor:
@@ -210,7 +208,10 @@ class ForwardPlan:
         out_t = (torch.zeros if self.first.any() else torch.empty)((self.batch, self.width, num_q_heads, dv),
                                                                     dtype=query.dtype)      # [B, T, Hq, Dv]
         direct_out = out_t.dtype == _TORCH[self.compute]
-        q_buf, out_buf = self._buffers
+        # q / out copies in the compute dtype: made for this layer only and given back to the OS after it (a
+        # forward's buffers held across its layers add to the peak of the model's own activations)
+        q_buf = None
+        out_buf = None if direct_out else query_chunks.scratch((self._most, num_q_heads, dv), self.compute)
         pools = self.pools
         k_run, v_run, k_scales, v_scales = (pools.k_run[layer], pools.v_run[layer], pools.k_scales[layer],
                                             pools.v_scales[layer])
@@ -220,6 +221,8 @@ class ForwardPlan:
             if q_view.dtype == _TORCH[self.compute] and q_view.is_contiguous():
                 q = q_view.numpy().reshape(n, num_q_heads, -1)
             else:
+                if q_buf is None:
+                    q_buf = query_chunks.scratch((self._most,) + self._shape, self.compute)
                 q = q_buf[:n]
                 torch.from_numpy(q).view(q_view.shape).copy_(q_view)
             o_view = layer_tensors.chunk_view(out_t, chunk, False)                          # [rows, cols, Hq, Dv]

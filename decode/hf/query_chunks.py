@@ -5,6 +5,8 @@ within `CHUNK_BYTES`, whatever the prompt length.
     chunks(first, width, limit) -> [(b0, b1, t0, t1, q0)]     rows b0..b1-1, columns t0..t1-1 of each, whose
                                                               queries are q0 .. q0 + (b1 - b0) * (t1 - t0) - 1
     chunk_limit(max_position, num_q_heads, head_dim, head_dim_v, group, itemsize) -> queries per chunk
+    scratch(shape, dtype) -> an uninitialized array for one layer's chunk copies, its memory given back to the
+                             OS when it dies
 
 Row b's queries are its columns ``first[b] .. width - 1`` (the columns at or after its first real token), in
 row order: the flat layout of `decode.hf.plan.ForwardPlan`. A chunk holds several rows only when each of them
@@ -15,9 +17,12 @@ tiles of a run of queries, and its kernel, are the ones one call would make.
 """
 import numpy as np
 
+from kvcache import mapped
+
 from decode.attention_plan import LONGEST_MIN_RUN, SPLIT_TOKENS, TILE_ROWS, TILED_SPLIT
 
 CHUNK_BYTES = 8 << 20       # a call's queries, outputs and split-K workspace together (compute dtype)
+SCRATCH_MMAP_BYTES = 256 << 10   # scratch arrays from this size on are mappings of their own (`kvcache.mapped`)
 
 
 def chunk_limit(max_position: int, num_q_heads: int, head_dim: int, head_dim_v: int, group: int,
@@ -54,3 +59,13 @@ def chunks(first: np.ndarray, width: int, limit: int) -> list[tuple[int, int, in
             t = t1
         b += 1
     return out
+
+
+def scratch(shape: tuple, dtype) -> np.ndarray:
+    """An array of ``shape`` for one layer's chunk copies (uninitialized below `SCRATCH_MMAP_BYTES`); from that size
+    on a `kvcache.mapped` array, unmapped when it dies: from malloc's heap (once its dynamic mmap threshold has
+    grown past the size) a buffer made per layer would stay resident after it."""
+    dtype = np.dtype(dtype)
+    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize < SCRATCH_MMAP_BYTES:
+        return np.empty(shape, dtype)
+    return mapped.zeros(shape, dtype)

@@ -412,11 +412,11 @@ if JIT:
     _dot44_emu = _make_dot_bf(4, 4, False)
     _dot14_emu = _make_dot_bf(1, 4, False)
 
-    @overload(dot44_bf)
+    @overload(dot44_bf, inline="always")
     def _dot44_bf_ov(qb, g, parts, kp, t, n, last):
         return lambda qb, g, parts, kp, t, n, last: _dot44_ir(qb, g, parts, kp, t, n, last)
 
-    @overload(dot14_bf)
+    @overload(dot14_bf, inline="always")
     def _dot14_bf_ov(qb, g, parts, kp, t, n, last):
         return lambda qb, g, parts, kp, t, n, last: _dot14_ir(qb, g, parts, kp, t, n, last)
 

@@ -13,8 +13,13 @@ from numba.core import config as _nb_config
 from numba.extending import intrinsic, overload
 
 JIT = not _nb_config.DISABLE_JIT
-FAST = True  # fastmath: reassociation + FMA contraction; nothing here produces inf or NaN (no -inf sentinels)
-EXP_FLAGS = {"nnan", "ninf", "nsz", "contract"}  # no reassoc: it would undo the Cody-Waite split
+# fastmath flags of every kernel: FMA contraction, no inf / NaN (no -inf sentinels), no signed zeros. No "reassoc"
+# (nor "arcp" / "afn"): with it LLVM may order a function's float operations differently in each module it is
+# optimised in (alone, or re-optimised inside a caller), and which copy a call binds to depends on what the
+# process compiled or loaded from numba's cache, so a fresh process and one with a warm cache gave different bits
+# (tests/decode/test_determinism.py::test_more_threads_than_cores_and_fresh_compile_equals_cache_load).
+FAST = {"nnan", "ninf", "nsz", "contract"}
+EXP_FLAGS = FAST  # exp needs no reassoc either: it would undo the Cody-Waite split
 
 # --------------------------------------------------------------------------------------------------------------
 # scalar helpers: element load (float16 bits -> float32), exact 2**n, polynomial exp
@@ -258,6 +263,13 @@ if JIT:
                               _ir.Constant(it, None)])
         return _widen(builder, x, storage, lanes, vt)
 
+    def fadd_ordered(builder, a, b):
+        """a + b that numba's fastmath pass leaves alone: it adds its flags (reassoc among them) only to float
+        instructions that carry none, and these carry "nsz". The blocks are inlined into fastmath kernels (numba
+        IR), where reassociated sums could be reordered differently in each caller (serial vs parallel kernel:
+        other bits on another thread count); the blocks' order is the NumPy twins'."""
+        return builder.fadd(a, b, flags=("nsz",))
+
     def _fma(builder, vt, lanes):
         name = "llvm.fma.v%d%s" % (lanes, "f64" if lanes == 8 else "f32")
         return _cg.get_or_insert_function(builder.module, _ir.FunctionType(vt, [vt, vt, vt]), name)
@@ -277,7 +289,8 @@ if JIT:
                     lo += [blk + i for i in range(half)] + [lanes + blk + i for i in range(half)]
                     hi += [blk + half + i for i in range(half)] + [lanes + blk + half + i for i in range(half)]
                     lab += [la[blk]] * half + [lb[blk]] * half
-                nv.append(builder.fadd(builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(_I32, lanes), lo)),
+                nv.append(fadd_ordered(builder,
+                                       builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(_I32, lanes), lo)),
                                        builder.shuffle_vector(a, b, _ir.Constant(_ir.VectorType(_I32, lanes), hi))))
                 nl.append(lab)
             vs, labels, width = nv, nl, half
@@ -292,7 +305,7 @@ if JIT:
                     lo += [blk + i for i in range(half)]
                     hi += [blk + half + i for i in range(half)]
                     nlab += [lab[blk]] * half
-                v = builder.fadd(builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_I32, len(lo)), lo)),
+                v = fadd_ordered(builder, builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_I32, len(lo)), lo)),
                                  builder.shuffle_vector(v, v, _ir.Constant(_ir.VectorType(_I32, len(hi)), hi)))
                 lab, cur, w = nlab, len(lo), half
             for lane, k in enumerate(lab):
@@ -304,7 +317,7 @@ if JIT:
         dv = _ir.VectorType(_ir.DoubleType(), 8)
         lo = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_I32, 8), list(range(8))))
         hi = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_I32, 8), list(range(8, 16))))
-        return builder.fadd(builder.fpext(lo, dv), builder.fpext(hi, dv))
+        return fadd_ordered(builder, builder.fpext(lo, dv), builder.fpext(hi, dv))
 
     def bf16_pairs_ir(builder, x):
         """<16 x i32> holding 32 bfloat16 (element 2j in the low half of lane j) -> (<16 x float> of the even
@@ -429,11 +442,11 @@ if JIT:
     _pv4_ir = _make_pv(4, 2)
     _pv1_ir = _make_pv(1, 2)
 
-    @overload(dot44)
+    @overload(dot44, inline="always")
     def _dot44_ov(qs, g, kp, t, n, last):
         return lambda qs, g, kp, t, n, last: _dot44_ir(qs, g, kp, t, n, last)
 
-    @overload(dot14)
+    @overload(dot14, inline="always")
     def _dot14_ov(qs, g, kp, t, n, last):
         return lambda qs, g, kp, t, n, last: _dot14_ir(qs, g, kp, t, n, last)
 

@@ -17,6 +17,7 @@ import numpy as np
 from numba import njit
 
 from . import cachedir  # noqa: F401
+from .simd import FAST
 
 
 @njit(cache=True)
@@ -151,7 +152,7 @@ def plan_tiles(runs, num_kv_heads, G, window, tokens, split, nchunks):
     return units, balance(costs, nchunks), items, cut[:, 2].copy(), w
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=FAST)
 def merge_rows(wm, wl, wacc, w0, n, r0, dst, scale):
     """dst[r, :] = the merge of the n partial states at slots w0..w0+n-1 (key order) of rows r0 + r: wm, wl
     [slots, rows] (running max of the scores, times `scale` to get the scaled one; sum of weights), wacc
