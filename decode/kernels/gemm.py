@@ -25,6 +25,7 @@ to LANES). The plain-NumPy twins run under NUMBA_DISABLE_JIT (the same chunks).
 import numpy as np
 
 from . import cachedir  # noqa: F401
+from .simd import row_f
 
 from numba import types
 from numba.core import config as _nb_config
@@ -42,7 +43,8 @@ def lanes(dtype) -> int:
 
 def gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init):
     """NumPy twin (see the module docstring)."""
-    n = nv * lanes(B.dtype)
+    n = nv * lanes(A.dtype)
+    B = row_f(B)
     flat = A.reshape(-1)
     rows = np.array([[flat[(i0 + a) * a_rs + k * a_cs] for k in range(nk)] for a in range(MR)], dtype=B.dtype)
     if not init:
@@ -65,8 +67,11 @@ if JIT:
     from llvmlite import ir as _ir
     from numba.core import cgutils as _cg
 
+    from .simd import vload_ir
+
     _I64 = _ir.IntType(64)
     _I32 = _ir.IntType(32)
+    _WIDENED = (types.uint16, types.int16)     # B rows of float16 / bfloat16 bits, widened exactly as loaded
 
     def _data_and_cols(context, builder, aryty, arr):
         ary = context.make_array(aryty)(context, builder, arr)
@@ -75,14 +80,15 @@ if JIT:
     def _make_gemm(nv, mr=MR):
         def typer(typingctx, A, a_rs, a_cs, i0, B, c0, C, nk, init):
             if not (isinstance(A, types.Array) and isinstance(B, types.Array) and isinstance(C, types.Array)
-                    and A.dtype == B.dtype and isinstance(B.dtype, types.Float) and isinstance(C.dtype, types.Float)
-                    and C.dtype.bitwidth <= B.dtype.bitwidth):
+                    and isinstance(A.dtype, types.Float) and isinstance(C.dtype, types.Float)
+                    and C.dtype.bitwidth <= A.dtype.bitwidth
+                    and (A.dtype == B.dtype or (A.dtype == types.float32 and B.dtype in _WIDENED))):
                 return None
 
             def codegen(context, builder, sig, args):
-                bty, cty = sig.args[4], sig.args[6]
-                L = 8 if bty.dtype == types.float64 else 16
-                vt = _ir.VectorType(context.get_value_type(bty.dtype), L)
+                aty, bty, cty = sig.args[0], sig.args[4], sig.args[6]
+                L = 8 if aty.dtype == types.float64 else 16
+                vt = _ir.VectorType(context.get_value_type(aty.dtype), L)
                 ct = _ir.VectorType(context.get_value_type(cty.dtype), L)      # C's vectors (narrower: rounded)
                 narrow = ct != vt
                 rs, cs, i0_, c0_, nk_ = (context.cast(builder, args[i], sig.args[i], types.int64)
@@ -121,8 +127,8 @@ if JIT:
                     k1 = builder.select(builder.icmp_signed("<", k1, nk_), k1, nk_)
                     with _cg.for_range_slice(builder, k0, k1, one) as (k, _):
                         brow = builder.gep(b_data, [builder.add(builder.mul(k, b_cols), c0_)])
-                        bv = [builder.load(builder.bitcast(builder.gep(brow, [_ir.Constant(_I64, v * L)]),
-                                                           vt.as_pointer()), align=4) for v in range(nv)]
+                        bv = [vload_ir(context, builder, builder.gep(brow, [_ir.Constant(_I64, v * L)]), bty.dtype,
+                                       L, vt) for v in range(nv)]
                         koff = builder.mul(k, cs)
                         for a in range(mr):
                             x = builder.load(builder.gep(a_rows[a], [koff]))

@@ -242,6 +242,8 @@ if JIT:
         x = builder.load(builder.bitcast(ptr, _ir.VectorType(ety, lanes).as_pointer()), align=storage.bitwidth // 8)
         return _widen(builder, x, storage, lanes, vt)
 
+    vload_ir = _vload     # public: the multi-query GEMM's widening row loads (decode.kernels.gemm)
+
     def lane_mask(builder, n, lanes):
         """The <lanes x i1> mask of the lanes below ``n`` (an i64): a masked load's tail of a row."""
         lane_ids = _ir.Constant(_ir.VectorType(_I64, lanes), list(range(lanes)))

@@ -29,7 +29,7 @@ from numba import njit, prange
 
 from .gemm import MR, gemm_strip
 from .loaders import block_rows
-from .simd import EXP_FLAGS, FAST, exp_inline, prefetch_lines
+from .simd import EXP_FLAGS, FAST, JIT, exp_inline, prefetch_lines
 from .units import merge_rows
 
 NEG = -3.0e38         # "no key yet" running max: finite (fastmath), below every admissible score
@@ -37,15 +37,23 @@ NEG = -3.0e38         # "no key yet" running max: finite (fastmath), below every
 
 @njit(cache=True, fastmath=FAST)
 def _load_tile(q, i0, nt, h, G, QT, Rp):
-    """QT[d, t*G + g] = q[i0 + t, h*G + g, d]; rows R..Rp-1 zero."""
+    """QT[d, t*G + g] = q[i0 + t, h*G + g, d]; rows R..Rp-1 zero. In column blocks of 16 rows r (one 64-byte line
+    of every QT row, so that the stores stay in L1) from precomputed source offsets (no division in the inner
+    loop): the row-by-row transposition took 23-40 us for a 128 x 128 tile, this one ~10."""
     D = q.shape[2]
+    Hq = q.shape[1]
     R = nt * G
-    for t in range(nt):
-        for g in range(G):
-            src = q[i0 + t, h * G + g]
-            r = t * G + g
-            for d in range(D):
-                QT[d, r] = src[d]
+    qf = q.reshape(-1)
+    off = np.empty(16, np.int64)
+    for r0 in range(0, R, 16):
+        n = min(R, r0 + 16) - r0
+        for k in range(n):
+            t = (r0 + k) // G
+            off[k] = ((i0 + t) * Hq + h * G + r0 + k - t * G) * D
+        for d in range(D):
+            row = QT[d]
+            for k in range(n):
+                row[r0 + k] = qf[off[k] + d]
     for d in range(D):
         row = QT[d]
         for r in range(R, Rp):
@@ -86,6 +94,130 @@ def _prefetch_block(pool, pages, h, b0, nb):
         s1 = min(P, s0 + b0 + nb - t)
         prefetch_lines(pool[pages[pg], h], s0, s1)
         t += s1 - s0
+
+
+def _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
+    """ST[:nb] = K rows b0..b0+nb-1 of kv head h @ QT[:, :Rp], through the widened copy Kb (rows up to nb rounded
+    up to MR: zero)."""
+    D = QT.shape[0]
+    nbp = -(-nb // MR) * MR
+    _copy_block(k_pages, k_scales, pages, h, b0, nb, Kb, st)
+    c = 0
+    while c < Rp:            # a column strip of QT stays in L1 while the key rows stream past it
+        nv = min(4, (Rp - c) // LK)
+        gemm_strip(Kb, D, 1, 0, nbp, QT, c, ST, D, nv, 1)
+        c += nv * LK
+
+
+def _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
+    """`_scores_copied` with the score GEMM reading the pool's rows in place, page by page (pages already in the
+    accumulation dtype: float32 pages, float32 q.k): no copy. A page's piece is rounded up to MR rows inside the
+    page (rows past the piece: scores never read; the next piece overwrites them), or, where that would leave
+    the page, copied. Every score is the same FMA chain as through the copy (bitwise the same)."""
+    D = QT.shape[0]
+    P = k_pages.shape[2]
+    c = 0
+    while c < Rp:
+        nv = min(4, (Rp - c) // LK)
+        t = b0
+        j = 0
+        while j < nb:
+            pg = t // P
+            s0 = t - pg * P
+            n = min(P, s0 + nb - j) - s0
+            n4 = -(-n // MR) * MR
+            if s0 + n4 <= P:
+                gemm_strip(k_pages[pages[pg], h, s0:], D, 1, 0, n4, QT, c, ST[j:], D, nv, 1)
+            else:
+                _copy_block(k_pages, k_scales, pages, h, t, n, Kb, st)
+                gemm_strip(Kb, D, 1, 0, n4, QT, c, ST[j:], D, nv, 1)
+            j += n
+            t += n
+        c += nv * LK
+
+
+def _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
+    """O[:Rp] += ST[:nb, :Rp]^T @ V rows b0..b0+nb-1 of kv head h, through the widened copy Vb."""
+    Dvp = Vb.shape[1]
+    _copy_block(v_pages, v_scales, pages, h, b0, nb, Vb, st)
+    st_cols = ST.shape[1]
+    c = 0
+    while c < Dvp:           # a column strip of Vb stays in L1 while the rows of P stream past it
+        nv = min(4, (Dvp - c) // L)
+        gemm_strip(ST, 1, st_cols, 0, Rp, Vb, c, O, nb, nv, 0)
+        c += nv * L
+
+
+def _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
+    """`_values_copied` with the PV GEMM reading the pool's rows in place, page by page (float32 pages, or float16
+    / bfloat16 bits widened as loaded; head_dim_v a multiple of the lanes): no copy. Each output element is the
+    same FMA chain over the keys in order (bitwise the same as through the copy)."""
+    Dv = v_pages.shape[3]
+    P = v_pages.shape[2]
+    st_cols = ST.shape[1]
+    c = 0
+    while c < Dv:
+        nv = min(4, (Dv - c) // L)
+        t = b0
+        j = 0
+        while j < nb:
+            pg = t // P
+            s0 = t - pg * P
+            n = min(P, s0 + nb - j) - s0
+            gemm_strip(ST[j:], 1, st_cols, 0, Rp, v_pages[pages[pg], h, s0:], c, O, n, nv, 0)
+            j += n
+            t += n
+        c += nv * L
+
+
+def score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
+    """ST[:nb, :Rp] = the block's K rows @ QT: in place for pages in the accumulation dtype, else through Kb."""
+    if k_scales is None and k_pages.dtype == QT.dtype:
+        _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK)
+    else:
+        _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK)
+
+
+def value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
+    """O[:Rp] += ST[:nb, :Rp]^T @ the block's V rows: in place for float pages (the compute dtype's, or float16 /
+    bfloat16 bits under float32 compute; head_dim_v a multiple of the lanes), else through Vb."""
+    if v_scales is None and v_pages.shape[3] % L == 0 and (v_pages.dtype == O.dtype or (
+            O.dtype == np.float32 and v_pages.dtype in (np.uint16, np.int16))):
+        _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
+    else:
+        _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
+
+
+if JIT:
+    from numba import types
+    from numba.extending import overload
+
+    _scores_copied, _scores_direct, _values_copied, _values_direct = (
+        njit(cache=True, fastmath=FAST)(f) for f in (_scores_copied, _scores_direct, _values_copied, _values_direct))
+
+    def _none(x):
+        return x is None or isinstance(x, (types.NoneType, types.Omitted))
+
+    @overload(score_block, inline="always")
+    def _score_block_ov(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
+        if _none(k_scales) and k_pages.dtype == QT.dtype:
+            return lambda k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK: _scores_direct(
+                k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK)
+        return lambda k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK: _scores_copied(
+            k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK)
+
+    @overload(value_block, inline="always")
+    def _value_block_ov(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
+        if _none(v_scales) and (v_pages.dtype == O.dtype or (O.dtype == types.float32 and v_pages.dtype in (
+                types.uint16, types.int16))):
+            def impl(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
+                if v_pages.shape[3] % L == 0:
+                    _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
+                else:
+                    _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
+            return impl
+        return lambda v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L: _values_copied(
+            v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
 
 
 @njit(cache=True, fastmath=EXP_FLAGS)
@@ -174,31 +306,20 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
     while b0 < hi:
         b1 = min(hi, b0 + block)
         nb = b1 - b0
-        nbp = -(-nb // MR) * MR
-        _copy_block(k_pages, k_scales, pages, h, b0, nb, Kb, st)
         nxt = min(hi, b1 + block) - b1
         _prefetch_block(k_pages, pages, h, b1, nxt)
-        c = 0
-        while c < Rp:            # a column strip of QT stays in L1 while the key rows stream past it
-            nv = min(4, (Rp - c) // LK)
-            gemm_strip(Kb, D, 1, 0, nbp, QT, c, ST, D, nv, 1)
-            c += nv * LK
+        score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK)
         masked = (b1 - 1 > rpos[0]) | (b0 < rlo[R - 1])
         _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi, neg)
-        for r in range(Rp):
-            a = alpha[r]
-            if a != 1.0:
-                row = O[r]
-                for d in range(Dvp):
-                    row[d] *= a
-        _copy_block(v_pages, v_scales, pages, h, b0, nb, Vb, st)
+        if b0 > lo:              # O is still zero after the first block: no rescale
+            for r in range(Rp):
+                a = alpha[r]
+                if a != 1.0:
+                    row = O[r]
+                    for d in range(Dvp):
+                        row[d] *= a
         _prefetch_block(v_pages, pages, h, b1, nxt)
-        st_cols = ST.shape[1]
-        c = 0
-        while c < Dvp:           # a column strip of Vb stays in L1 while the rows of P stream past it
-            nv = min(4, (Dvp - c) // L)
-            gemm_strip(ST, 1, st_cols, 0, Rp, Vb, c, O, nb, nv, 0)
-            c += nv * L
+        value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
         b0 = b1
 
 

@@ -115,7 +115,10 @@ def plan_units(query_pos, window, split, nchunks):
 def plan_tiles(runs, num_kv_heads, G, window, tokens, split, nchunks):
     """Tiled units: every (run, kv head, tile of <= `tokens` queries), its key range cut at absolute multiples of
     `split` tokens (`cut_ranges`, a unit per piece), balanced over `nchunks` chunks by cost (rows x keys +
-    64 x rows).
+    64 x rows). Head-major within a run: a kv head's tiles are consecutive (they read the same K/V prefix, which
+    stays in L2 from one tile to the next), and with as many heads as chunks, or a multiple, every chunk holds
+    the same mix of short and long tiles whatever the cost model's error (the token-major order put the short
+    tiles in the first chunks: 12% more CPU time in one thread's half at 0 -> 2048).
 
     Returns units [U, 7] = (run, kv head, first token, tokens, ka, kb, slot or -1), bounds [nchunks + 1],
     items [n_split, 5] = (run, kv head, first token, tokens, first slot), item_parts [n_split], num_slots."""
@@ -128,9 +131,9 @@ def plan_tiles(runs, num_kv_heads, G, window, tokens, split, nchunks):
     o = 0
     for run in range(runs.shape[0]):
         p0 = runs[run, 3]
-        for t0 in range(0, runs[run, 2], tokens):
-            nt = min(tokens, runs[run, 2] - t0)
-            for h in range(num_kv_heads):
+        for h in range(num_kv_heads):
+            for t0 in range(0, runs[run, 2], tokens):
+                nt = min(tokens, runs[run, 2] - t0)
                 tiles[o, 0] = run
                 tiles[o, 1] = h
                 tiles[o, 2] = t0
