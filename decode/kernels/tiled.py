@@ -109,6 +109,15 @@ def _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
         c += nv * LK
 
 
+@njit(cache=True)
+def _page_piece(pages, P, t, left):
+    """The piece of a block that starts at key t: (its page's row in the pool, its first row in that page, its
+    rows: up to the page's end and at most ``left``)."""
+    pg = t // P
+    s0 = t - pg * P
+    return pages[pg], s0, min(P - s0, left)
+
+
 def _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
     """`_scores_copied` with the score GEMM reading the pool's rows in place, page by page (pages already in the
     accumulation dtype: float32 pages, float32 q.k): no copy. A page's piece is rounded up to MR rows inside the
@@ -119,20 +128,16 @@ def _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
     c = 0
     while c < Rp:
         nv = min(4, (Rp - c) // LK)
-        t = b0
         j = 0
         while j < nb:
-            pg = t // P
-            s0 = t - pg * P
-            n = min(P, s0 + nb - j) - s0
+            row, s0, n = _page_piece(pages, P, b0 + j, nb - j)
             n4 = -(-n // MR) * MR
             if s0 + n4 <= P:
-                gemm_strip(k_pages[pages[pg], h, s0:], D, 1, 0, n4, QT, c, ST[j:], D, nv, 1)
+                gemm_strip(k_pages[row, h, s0:], D, 1, 0, n4, QT, c, ST[j:], D, nv, 1)
             else:
-                _copy_block(k_pages, k_scales, pages, h, t, n, Kb, st)
+                _copy_block(k_pages, k_scales, pages, h, b0 + j, n, Kb, st)
                 gemm_strip(Kb, D, 1, 0, n4, QT, c, ST[j:], D, nv, 1)
             j += n
-            t += n
         c += nv * LK
 
 
@@ -155,19 +160,13 @@ def _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
     Dv = v_pages.shape[3]
     P = v_pages.shape[2]
     st_cols = ST.shape[1]
-    c = 0
-    while c < Dv:
+    for c in range(0, Dv, 4 * L):     # Dv a multiple of L: the strips of `_values_copied`
         nv = min(4, (Dv - c) // L)
-        t = b0
         j = 0
         while j < nb:
-            pg = t // P
-            s0 = t - pg * P
-            n = min(P, s0 + nb - j) - s0
-            gemm_strip(ST[j:], 1, st_cols, 0, Rp, v_pages[pages[pg], h, s0:], c, O, n, nv, 0)
+            row, s0, n = _page_piece(pages, P, b0 + j, nb - j)
+            gemm_strip(ST[j:], 1, st_cols, 0, Rp, v_pages[row, h, s0:], c, O, n, nv, 0)
             j += n
-            t += n
-        c += nv * L
 
 
 def score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
