@@ -49,33 +49,102 @@ def ensure_venv() -> Path:
 
 
 def workers() -> int:
-    """pytest-xdist processes for the test stages: $TEST_WORKERS (e.g. 2), default 1 (the tests run in the pytest
-    process itself). Not yet the default: under -n 2 on a loaded 2-core machine a Ray worker compiling the kernels
-    cold missed the distributed runtime's 60 s answer timeout (tests/distributed/test_equivalence)."""
-    return int(os.environ.get("TEST_WORKERS") or 1)
+    """Processes for `dev.py test`: $TEST_WORKERS, default the CPUs this process may use (at most 4).
+    With 1 every stage runs after the other in one pytest process each (the old, serial CI)."""
+    if os.environ.get("TEST_WORKERS"):
+        return max(1, int(os.environ["TEST_WORKERS"]))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cpus))
 
 
-def pytest(py: Path, *args, env, spread=True) -> None:
-    """pytest -q on `args`; with spread, over `workers()` processes, whole files to a worker (--dist loadfile: a
-    file's tests share their compiled kernels and fixtures) unless the caller passed its own -n."""
-    cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    n = workers()
-    if spread and n > 1 and not any(a == "-n" or str(a).startswith("--numprocesses") for a in args):
-        cmd += ["-n", str(n), "--dist", "loadfile"]
-    run(*cmd, *args, env=env)
+class Stage:
+    """One pytest run of `dev.py test`: a name, its arguments, the environment changes it needs."""
+
+    def __init__(self, name, *args, env=None, spread=False):
+        self.name, self.args, self.env, self.spread = name, [str(a) for a in args], dict(env or {}), spread
+        self.seconds, self.code = None, None
+
+    def command(self, py: Path, n: int) -> list:
+        cmd = [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        if self.spread and n > 1 and not any(a == "-n" or a.startswith("--numprocesses") for a in self.args):
+            # whole files to a worker (a file's tests share compiled kernels and fixtures); tests/conftest.py keeps
+            # all of tests/distributed on one worker (one Ray instance at a time)
+            cmd += ["-n", str(n), "--dist", "loadfile"]
+        return cmd + self.args
+
+    def run(self, py: Path, n: int, log=None) -> int:
+        """Run to completion; output to the console, or to `log` (a file) when given. Returns the exit code."""
+        cmd = self.command(py, n)
+        print(f"+ [{self.name}] " + " ".join(cmd), flush=True)
+        start = time.monotonic()
+        env = {**os.environ, **self.env}
+        if log is None:
+            self.code = subprocess.call(cmd, cwd=ROOT, env=env)
+        else:
+            with open(log, "w") as out:
+                self.code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.seconds = time.monotonic() - start
+        print(f"dev.py: [{self.name}] {self.seconds:.0f} s wall, exit code {self.code}", flush=True)
+        return self.code
+
+
+def stages(extra) -> tuple[list, list]:
+    """Two chains of stages, `(foreground, background)`, that run side by side; each chain in order.
+
+    foreground: the kernel tests (`-m kernel`, full grid) in one process, which also compiles the kernels into
+    numba's on-disk cache, then the rest of the suite spread over the workers, which loads them from that cache
+    (and so do its fresh processes: CLI and server subprocesses, Ray workers). With `extra` pytest arguments the
+    foreground is just `pytest extra` over the workers.
+    background: the kernel tests on the reduced grid with NUMBA_BOUNDSCHECK=1 and with NUMBA_DISABLE_JIT=1 (each
+    with its own numba cache: bounds-checked code must not be loaded by the other runs), the shared conformance
+    suite, and the benchmark files once, untimed (so they never rot)."""
+    if extra:
+        foreground = [Stage("tests", *extra, spread=True)]
+    else:
+        foreground = [Stage("kernel tests", "-m", "kernel", "tests"),
+                      Stage("tests", "-m", "not kernel", "tests", spread=True)]
+    background = []
+    for flag in ("NUMBA_BOUNDSCHECK", "NUMBA_DISABLE_JIT"):
+        background.append(Stage(f"kernel tests {flag}=1", "-m", "kernel", "--reduced-grid",
+                                env={flag: "1", "NUMBA_CACHE_DIR": str(VENV / f"numba-{flag.lower()}")}))
+    if CONFORMANCE.is_dir():
+        background.append(Stage("conformance", "--rootdir", ROOT, CONFORMANCE))
+    background.append(Stage("benchmarks", "benchmarks", "--benchmark-disable", "--quick"))
+    return foreground, background
 
 
 def test(py: Path, extra) -> None:
-    env = dict(os.environ)
-    pytest(py, *extra, env=env)
-    if CONFORMANCE.is_dir():
-        pytest(py, "--rootdir", ROOT, CONFORMANCE, env=env, spread=False)
-    # the benchmark files run once, untimed, so they never rot
-    pytest(py, "benchmarks", "--benchmark-disable", "--quick", env=env)
-    # the kernel tests again, without the JIT and with bounds checks, on a reduced grid
-    for flag in ("NUMBA_DISABLE_JIT", "NUMBA_BOUNDSCHECK"):
-        pytest(py, "-m", "kernel", "--reduced-grid",
-               env={**env, flag: "1", "NUMBA_CACHE_DIR": str(ROOT / ".venv" / f"numba-{flag.lower()}")})
+    """Every stage of `stages`; with more than one worker the background chain runs in a thread beside the
+    foreground one (its output is kept in .venv/logs and printed when it ends). Exit code: the first failure's."""
+    n = workers()
+    foreground, background = stages(extra)
+    start = time.monotonic()
+    if n == 1:
+        for stage in foreground + background:
+            stage.run(py, n)
+    else:
+        import threading
+        logs = VENV / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+
+        def chain():
+            for i, stage in enumerate(background):
+                log = logs / f"stage-{i}.log"
+                stage.run(py, n, log=log)
+                print(f"---- [{stage.name}] output ----\n{log.read_text()}---- end of [{stage.name}] ----",
+                      flush=True)
+
+        side = threading.Thread(target=chain)
+        side.start()
+        for stage in foreground:
+            stage.run(py, n)
+        side.join()
+    print(f"dev.py test: {time.monotonic() - start:.0f} s wall with {n} worker(s)", flush=True)
+    for stage in foreground + background:
+        print(f"  {stage.name:<34} {stage.seconds:7.0f} s  exit {stage.code}", flush=True)
+    failed = [s.code for s in foreground + background if s.code != 0]
+    if failed:
+        sys.exit(failed[0])
 
 
 def main(argv) -> None:

@@ -3,6 +3,9 @@
 --reduced-grid   smaller parameter grids (used by the NUMBA_DISABLE_JIT / NUMBA_BOUNDSCHECK passes)
 --run-slow       also run tests marked `slow` (the long forms of the reliability suite)
 
+Under pytest-xdist with --dist loadfile (what `dev.py test` uses) a unit of work is a test file, except that all of
+tests/distributed is one unit (`pytest_xdist_make_scheduler` below).
+
 Hypothesis: under CI (CI=true) the examples are derandomized (a fixed seed per test), so that a CI run is
 reproducible and a rare draw cannot fail one submission and pass the next; locally every run draws anew and
 saves failures in .hypothesis/ (HYPOTHESIS_PROFILE=ci reproduces CI's draws).
@@ -39,3 +42,22 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def reduced_grid(request) -> bool:
     return request.config.getoption("--reduced-grid")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, except that every Ray test (tests/distributed) goes to one worker, so that one local Ray
+    instance runs at a time and never competes with a second one for the cores (its workers' first calls have a
+    timeout). A scheduler instead of `xdist_group` marks: pytest-xdist 3.8 renames the node ids of grouped tests
+    through an attribute that pytest 9 no longer has, so --dist loadgroup groups nothing there."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesWithRayTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "tests/distributed" if scope.startswith("tests/distributed/") else scope
+
+    return FilesWithRayTogether(config, log)
+
