@@ -3,7 +3,7 @@
 
     python3 dev.py demo     # the main job: decode with the engine (see README)
     python3 dev.py audit    # the reference lab's audit of the source document
-    python3 dev.py test     # the whole test suite (what CI runs)
+    python3 dev.py test     # the whole test suite (what CI runs); TEST_WORKERS=1 runs its stages one by one
     python3 dev.py bench    # the benchmark suite (pytest-benchmark)
 
 Only the Python standard library is used here, so it works before anything is installed.
@@ -115,7 +115,8 @@ def stages(extra) -> tuple[list, list]:
 
 def test(py: Path, extra) -> None:
     """Every stage of `stages`; with more than one worker the background chain runs in a thread beside the
-    foreground one (its output is kept in .venv/logs and printed when it ends). Exit code: the first failure's."""
+    foreground one (its output goes to .venv/logs and is printed after the foreground's; a status line per stage
+    is printed when it ends). Exit code: the first failed stage's."""
     n = workers()
     foreground, background = stages(extra)
     start = time.monotonic()
@@ -126,19 +127,15 @@ def test(py: Path, extra) -> None:
         import threading
         logs = VENV / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-
-        def chain():
-            for i, stage in enumerate(background):
-                log = logs / f"stage-{i}.log"
-                stage.run(py, n, log=log)
-                print(f"---- [{stage.name}] output ----\n{log.read_text()}---- end of [{stage.name}] ----",
-                      flush=True)
-
-        side = threading.Thread(target=chain)
+        paths = [logs / f"stage-{i}.log" for i in range(len(background))]
+        side = threading.Thread(target=lambda: [s.run(py, n, log=p) for s, p in zip(background, paths)],
+                                daemon=True)
         side.start()
         for stage in foreground:
             stage.run(py, n)
         side.join()
+        for stage, path in zip(background, paths):
+            print(f"---- [{stage.name}] output ----\n{path.read_text()}---- end of [{stage.name}] ----", flush=True)
     print(f"dev.py test: {time.monotonic() - start:.0f} s wall with {n} worker(s)", flush=True)
     for stage in foreground + background:
         print(f"  {stage.name:<34} {stage.seconds:7.0f} s  exit {stage.code}", flush=True)

@@ -31,6 +31,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Ray tests last: by then the other files have compiled the kernels into numba's on-disk cache, and the
+        # Ray workers (fresh processes) load them instead of compiling cold against their call timeout
+        items.sort(key=lambda item: item.nodeid.startswith("tests/distributed/"))
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="long form: pass --run-slow")
