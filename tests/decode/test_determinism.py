@@ -191,6 +191,9 @@ sys.stdout.write(str(numba.get_num_threads()) + " " + out.tobytes().hex())
 """
 
 
+@pytest.mark.skipif(numba.config.DISABLE_JIT or numba.config.BOUNDSCHECK,
+                    reason="compiled optimised code only: under NUMBA_DISABLE_JIT nothing compiles or loads, and the "
+                           "NUMBA_BOUNDSCHECK rerun's build ships nowhere (the other kernel tests bounds-check it)")
 def test_more_threads_than_cores_and_fresh_compile_equals_cache_load(tmp_path):
     """Fresh processes on an empty numba cache of their own: the first compiles every kernel (NUMBA_NUM_THREADS=1),
     the next load them from that cache (=4, more than this machine's cores, and =1 again): the same bits.
