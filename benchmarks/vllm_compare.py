@@ -110,6 +110,26 @@ def summarize(runs: list[dict], modes) -> list[dict]:
     return rows
 
 
+def load_saved(path, modes=("cold", "hot")) -> tuple[list[dict], dict]:
+    """The summary rows and the info of a saved ``--out`` file (even a partial one: the runs so far), as
+    `markdown` takes them; `benchmarks.report` renders docs/benchmarks.md's issue-20 section from these."""
+    saved = json.loads(Path(path).read_text())
+    runs = saved["runs"]
+    info = saved.get("info") or {"summary": f"partial run: {len(runs)} processes, "
+                                            f"{1 + max(r['round'] for r in runs)} round(s) begun"}
+    return summarize(runs, list(modes)), info
+
+
+def tree_commit() -> str | None:
+    """`git describe --always --dirty` of this checkout (the engine's tree), or None outside git."""
+    try:
+        proc = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30)
+    except OSError:
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
 def fmt_ms(s) -> str:
     return "—" if s is None else (f"{1e3 * s:.2f}" if s < 0.1 else f"{1e3 * s:.0f}")
 
@@ -205,11 +225,8 @@ def main(argv=None) -> int:
                    "one: the runs so far)")
     args = p.parse_args(argv)
     if args.from_json:
-        saved = json.loads(Path(args.from_json).read_text())
-        runs = saved["runs"]
-        info = saved.get("info") or {"summary": f"partial run: {len(runs)} processes, "
-                                                f"{1 + max(r['round'] for r in runs)} round(s) begun"}
-        common.write_results(markdown(summarize(runs, args.modes.split(",")), info), saved, None, args.markdown)
+        rows, info = load_saved(args.from_json, args.modes.split(","))
+        common.write_results(markdown(rows, info), json.loads(Path(args.from_json).read_text()), None, args.markdown)
         return 0
     impls = args.impls.split(",")
     why = vllm_available(args.vllm_python) if "vllm" in impls else None
@@ -219,6 +236,7 @@ def main(argv=None) -> int:
     if "sdpa" in impls and "prefill" not in args.kinds:
         impls.remove("sdpa")
     runs = []
+    commit = tree_commit()
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
     for rnd in range(args.rounds):
         for dtype in args.dtypes.split(","):
@@ -237,10 +255,11 @@ def main(argv=None) -> int:
     versions = next((r["results"][0] for r in runs if r["impl"] == "vllm" and r["results"]), {})
     other = [r["other_cores"] for r in runs]
     info = {"started": started, "ended": time.strftime("%Y-%m-%d %H:%M:%S %z"), "rounds": args.rounds,
-            "vllm": versions.get("vllm"), "torch": versions.get("torch"), "vllm_skipped": why,
+            "vllm": versions.get("vllm"), "torch": versions.get("torch"), "vllm_skipped": why, "commit": commit,
+            "threads": args.threads, "page_size": args.page_size, "cold_mib": args.cold_mib,
             "summary": (f"{started} to {time.strftime('%H:%M %Z')}, {args.rounds} rounds of alternating processes "
                         f"(order rotated each round), medians over rounds; {args.threads} thread(s) each; page / block "
-                        f"{args.page_size}; cold = copies visited in rotation so >= {args.cold_mib} MiB of K/V lie "
+                        f"{args.page_size}; engine tree {commit or '?'}; cold = copies visited in rotation so >= {args.cold_mib} MiB of K/V lie "
                         f"between visits, hot = one copy; vLLM {versions.get('vllm', 'skipped')} "
                         f"(torch {versions.get('torch', '?')}, ISA {versions.get('isa', '?')}); other sessions used "
                         f"{statistics.median(other) if other else 0:.2f} cores on average (median over processes, "
