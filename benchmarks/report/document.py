@@ -45,9 +45,7 @@ def render(res: Results, memory_rows=None, results_path: Path | None = None, doc
     first, unmet_first, first_e = first_step_section(res)
     issue9, unmet9 = issue9_section(res, gens)
     issue11, unmet11 = issue11_section(res, memory_rows)
-    suite = (f"{Path(results_path).name if results_path else 'the suite run'} of "
-             f"{str(res.meta.get('date') or res.raw.get('datetime') or '?')[:16]}")
-    peers, _ = peer_section(peer_paths, suite)
+    peers, _ = peer_section(peer_paths)
     made = plots(res, gens, memory_rows, doc.parent / "img")       # images beside the document
     if peer_paths:
         made += peer_plots(merged(peer_paths)[0], doc.parent / "img")

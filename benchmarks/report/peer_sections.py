@@ -101,7 +101,7 @@ def dtype_ratio_verdict(runs: list, kind: str, slow: str, fast: str = "bfloat16"
     return ("**met**" if not lost else "**missed**"), figure, lost
 
 
-def target_rows(rows: list[dict], runs: list, suite: str) -> tuple[list[list[str]], list[str]]:
+def target_rows(rows: list[dict], runs: list) -> tuple[list[list[str]], list[str]]:
     """Issue 20's targets table, one row per (target, dtype) the runs measure: [row, target, verdict, figure]; and
     the missed ones as sentences."""
     out, missed = [], []
@@ -122,11 +122,11 @@ def target_rows(rows: list[dict], runs: list, suite: str) -> tuple[list[list[str
                     *faster_verdict(sel, f"{peer}_over_engine"))
         if kind == "decode":
             add("decode step", "≥ 90% of the page-walk ceiling where bandwidth-bound", "not measured",
-                f"the peer runs time no page walk; the full suite's walk table: [Issue 9 targets](#issue-9-targets) "
-                f"({suite})")
+                "the peer runs time no page walk; the full suite's walk table: [Issue 9 targets](#issue-9-targets) "
+                "(the suite run of this document, an older tree)")
         if kind == "batch":
             add("batched decode", "≥ 2x a loop of steps at ≤ 256 tokens", "not measured",
-                f"not in the peer runs; [Issue 9 targets](#issue-9-targets) ({suite})")
+                "not in the peer runs; [Issue 9 targets](#issue-9-targets) (the suite run of this document)")
     add("bf16 vs fp16 pages", "bf16 at least as fast as float16 (every decode shape)",
         *dtype_ratio_verdict(runs, "decode", "float16"))
     add("bf16 vs fp16 pages", "bf16 never slower than float32 (every decode shape)",
@@ -162,12 +162,12 @@ def sources_line(runs, origin: dict) -> str:
         f"`{path}`: {', '.join(what)}" for path, what in by_file.items()) + ".")
 
 
-def peer_section(paths, suite: str = "the full suite's run") -> tuple[str, list[str]]:
+def peer_section(paths) -> tuple[str, list[str]]:
     """The generated issue-20 block (markers included) and the missed targets, from the peer JSON ``paths``."""
     if not paths:
         return "\n".join([PEER_BEGIN, "No vLLM peer run given (`--peer-json`).", PEER_END]), []
     rows, runs, origin = merged(paths)
-    targets, missed = target_rows(rows, runs, suite)
+    targets, missed = target_rows(rows, runs)
     info = {"summary": " / ".join(f"`{path}`: {info['summary']}" for path, info, _ in runs)}
     cmd = "python -m benchmarks.report " + " ".join(f"--peer-json {path}" for path, *_ in runs)
     parts = [
