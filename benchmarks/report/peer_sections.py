@@ -111,19 +111,25 @@ def target_rows(rows: list[dict], runs: list) -> tuple[list[list[str]], list[str
         if lost:
             missed.append(f"{row}, {target}: " + ", ".join(lost))
 
+    skipped = "; ".join(f"vLLM skipped in {path}: {info['vllm_skipped']}" for path, info, _ in runs
+                        if info.get("vllm_skipped"))
     for kind, peers in (("decode", ("vllm",)), ("batch", ("vllm",)), ("prefill", ("vllm", "sdpa"))):
         for peer in peers:
+            name = "vLLM CPU" if peer == "vllm" else "torch SDPA"
+            measured = False
             for d in DTYPES:
                 sel = [r for r in sorted_cells(rows, kind) if r["dtype"] == d and f"{peer}_over_engine" in r]
-                if not sel:
-                    continue
-                name = "vLLM CPU" if peer == "vllm" else "torch SDPA"
-                add(f"{KIND_NAMES[kind]}, {d}", f"faster than {name} at every shape",
-                    *faster_verdict(sel, f"{peer}_over_engine"))
+                if sel:
+                    measured = True
+                    add(f"{KIND_NAMES[kind]}, {d}", f"faster than {name} at every shape",
+                        *faster_verdict(sel, f"{peer}_over_engine"))
+            if not measured:
+                add(KIND_NAMES[kind], f"faster than {name} at every shape", "not measured",
+                    (skipped if peer == "vllm" and skipped else "no such cells in the peer runs"))
         if kind == "decode":
             add("decode step", "≥ 90% of the page-walk ceiling where bandwidth-bound", "not measured",
                 "the peer runs time no page walk; the full suite's walk table: [Issue 9 targets](#issue-9-targets) "
-                "(the suite run of this document, an older tree)")
+                "(the suite run of this document: its date is under Machine and session)")
         if kind == "batch":
             add("batched decode", "≥ 2x a loop of steps at ≤ 256 tokens", "not measured",
                 "not in the peer runs; [Issue 9 targets](#issue-9-targets) (the suite run of this document)")
