@@ -168,6 +168,13 @@ def sources_line(runs, origin: dict) -> str:
         f"`{path}`: {', '.join(what)}" for path, what in by_file.items()) + ".")
 
 
+def tally_line(targets: list[list[str]]) -> str:
+    verdicts = [t[2] for t in targets]
+    met, missed = verdicts.count("**met**"), verdicts.count("**missed**")
+    return (f"Of {met + missed} measured target rows, {met} met and {missed} missed; {len(verdicts) - met - missed} "
+            f"rows not measured by the peer runs.")
+
+
 def peer_section(paths) -> tuple[str, list[str]]:
     """The generated issue-20 block (markers included) and the missed targets, from the peer JSON ``paths``."""
     if not paths:
@@ -186,6 +193,8 @@ def peer_section(paths) -> tuple[str, list[str]]:
         sources_line(runs, origin),
         "",
         "### Issue 20 targets, row by row",
+        "",
+        tally_line(targets),
         "",
         table(["row", "target", "verdict", "measured"], targets),
         "",

