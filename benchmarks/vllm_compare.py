@@ -70,6 +70,12 @@ def vllm_available(python: str) -> str | None:
     return None if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1]
 
 
+# the engine's measures beside its timed calls (benchmarks.vllm_peer): per-process figure -> summary key (medians
+# over rounds; the ratios are taken within each process, where the walk / loop alternated with the timed calls)
+BESIDE = {"walk_s": "engine_walk_s", "walk_gb_per_s": "engine_walk_gb_per_s", "frac_walk": "engine_frac_walk",
+          "loop_s": "engine_loop_s", "loop_over_batch": "loop_over_batch"}
+
+
 def summarize(runs: list[dict], modes) -> list[dict]:
     """Median over rounds of each (impl, dtype, case, mode) and the ratios to the engine."""
     cells: dict = {}
@@ -83,6 +89,9 @@ def summarize(runs: list[dict], modes) -> list[dict]:
                 cells.setdefault((*key, mode, r["impl"] + "_best"), []).append(r[mode]["min_s"])
                 if "attn_s" in r[mode]:
                     cells.setdefault((*key, mode, r["impl"] + "_attn"), []).append(r[mode]["attn_s"])
+                for name in BESIDE:
+                    if name in r[mode]:
+                        cells.setdefault((*key, mode, name), []).append(r[mode][name])
     rows = []
     for key, impls in meta.items():
         for mode in modes:
@@ -99,6 +108,14 @@ def summarize(runs: list[dict], modes) -> list[dict]:
                 row[f"{impl}_rel_err"] = impls[impl]["rel_err"]
                 if mode in impls[impl]:
                     row[f"{impl}_cold_mib"] = impls[impl][mode]["cold_mib"]
+            beside = {name: cells.get((*key, mode, name)) for name in BESIDE}
+            for name, got in beside.items():
+                if got:
+                    row[BESIDE[name]] = statistics.median(got)
+            if any(beside.values()):
+                eng = impls["engine"]
+                row["q_per_kv"] = eng["num_q_heads"] // eng["num_kv_heads"]
+                row["length"] = eng["start"] + eng["tokens"]
             if "vllm" in impls:
                 row["vllm_metadata_s"] = impls["vllm"]["metadata_s"]
                 row["vllm_isa"] = impls["vllm"]["isa"]
@@ -139,6 +156,40 @@ def fmt_ratio(x) -> str:
     return "—" if x is None else (f"**{x:.2f}**" if x < 0.8 else f"{x:.2f}")
 
 
+def beside_tables(rows: list[dict], dtypes) -> list[str]:
+    """The engine beside its own ceilings, where its processes measured them: decode step time / page-walk time
+    (ms), the walk's GB/s and the step's share of it; batch_step / loop-of-steps time (ms) and loop ÷ batch_step."""
+    out = []
+    for kind, key, title, cols in (
+            ("decode", "engine_frac_walk", "Engine decode step vs the page walk of its pages (same process, "
+             "alternated)", "step / walk (ms) | walk GB/s | of walk"),
+            ("batch", "loop_over_batch", "Engine batch_step vs a loop of steps over the same sequences (same "
+             "process, alternated)", "batch_step / loop (ms) | loop ÷ batch_step")):
+        sel = [r for r in rows if r["kind"] == kind and key in r]
+        if not sel:
+            continue
+        ncol = cols.count("|") + 1
+        out += [f"**{title}**", "", "| shape | set |" + "".join(f" {d}: {cols} |" for d in dtypes),
+                "|---|---|" + "---|" * ncol * len(dtypes)]
+        for case, mode in dict.fromkeys((r["case"], r["mode"]) for r in sel):
+            cells = []
+            for d in dtypes:
+                r = next((x for x in sel if (x["case"], x["mode"], x["dtype"]) == (case, mode, d)), {})
+                if kind == "decode":
+                    gb = r.get("engine_walk_gb_per_s")
+                    frac = r.get("engine_frac_walk")
+                    cells.append(f"{fmt_ms(r.get('engine_s'))} / {fmt_ms(r.get('engine_walk_s'))} | "
+                                 f"{'—' if gb is None else f'{gb:.1f}'} | "
+                                 f"{'—' if frac is None else f'{100 * frac:.0f}%'}")
+                else:
+                    x = r.get("loop_over_batch")
+                    cells.append(f"{fmt_ms(r.get('engine_s'))} / {fmt_ms(r.get('engine_loop_s'))} | "
+                                 f"{'—' if x is None else f'{x:.2f}'}")
+            out.append(f"| {case} | {mode} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
 def markdown(rows: list[dict], info: dict) -> str:
     """One table per kind: rows = (case, mode), columns per dtype: vLLM / engine ms and vLLM / engine ratio."""
     dtypes = [d for d in ("float32", "float16", "bfloat16") if any(r["dtype"] == d for r in rows)]
@@ -172,6 +223,7 @@ def markdown(rows: list[dict], info: dict) -> str:
                 where = f"{mode} ({mib:.0f} MiB)" if mib else mode
                 out.append(f"| {case} | {where} | " + " | ".join(cells) + " |")
         out.append("")
+    out += beside_tables(rows, dtypes)
     out.append("Tally (shapes x sets; engine faster = ratio > 1.25, parity 0.8-1.25, slower < 0.8; by the median and "
                "by the best of each process):")
     out.append("")

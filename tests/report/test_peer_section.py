@@ -124,3 +124,66 @@ def test_report_renders_the_section_plots_and_keeps_the_blocks(first_run, tmp_pa
     doc.write_text(text.replace("<!-- hf-path:begin -->\n", "<!-- hf-path:begin -->\n" + kept + "\n"))
     again = render(Results({"benchmarks": [], "pagedkv": {}}), None, None, doc)     # peers from the header
     assert kept in again and block(again) == block(text)
+
+
+def engine_beside(kind, case, dtype, step, beside, q_per_kv=4, length=4096, modes=("cold",)):
+    """An engine result whose process measured beside its timed calls: the page walk (decode: ``beside`` = the
+    walk's seconds) or the loop of steps (batch: ``beside`` = the loop's seconds), in each of ``modes``."""
+    r = result("engine", kind, case, dtype, step, step if "hot" in modes else None)
+    r.update(num_q_heads=8 * q_per_kv, num_kv_heads=8, start=length - 1, tokens=1)
+    for mode in modes:
+        if kind == "decode":
+            r[mode].update(walk_s=beside, walk_gb_per_s=40.0, frac_walk=beside / step)
+        else:
+            r[mode].update(loop_s=beside, loop_over_batch=beside / step)
+    return r
+
+
+def test_walk_target_judges_bandwidth_bound_cells_only(tmp_path):
+    """float32: both bandwidth-bound cells (cold, <= 8 q per kv head) at >= 90% of the walk, an MQA cell and a hot
+    cell far below it (shown, not judged) -> met; float16: one bandwidth-bound cell below 90% -> missed, in the
+    missed list; bfloat16: only MQA walked -> not measured."""
+    res = [engine_beside("decode", "MHA-4096", "float32", 1e-3, 0.95e-3, q_per_kv=1),
+           engine_beside("decode", "GQA-8-4096", "float32", 1e-3, 0.92e-3, q_per_kv=4, modes=("cold", "hot")),
+           engine_beside("decode", "MQA-4096", "float32", 1e-3, 0.30e-3, q_per_kv=32),
+           engine_beside("decode", "MHA-4096", "float16", 1e-3, 0.95e-3, q_per_kv=1),
+           engine_beside("decode", "GQA-8-4096", "float16", 1e-3, 0.80e-3, q_per_kv=4),
+           engine_beside("decode", "MQA-4096", "bfloat16", 1e-3, 0.30e-3, q_per_kv=32)]
+    res[1]["hot"]["frac_walk"] = 0.5
+    text, missed = peer_section([save(tmp_path / "w.json", res)])
+    target = "≥ 90% of the page-walk ceiling where bandwidth-bound"
+    f32 = row(text, "decode step, float32", target)
+    assert "**met**" in f32 and "step at 92%-95% over 2 bandwidth-bound" in f32 and "(walk 40.0 GB/s)" in f32
+    assert "not judged" in f32 and "MQA-4096 cold 30%" in f32 and "GQA-8-4096 hot 50%" in f32
+    f16 = row(text, "decode step, float16", target)
+    assert "**missed**" in f16 and "below 90%: GQA-8-4096 cold 80%" in f16
+    assert "not measured" in row(text, "decode step, bfloat16", target)
+    assert any(m.startswith(f"decode step, float16, {target}") and "GQA-8-4096 cold 80%" in m for m in missed)
+    assert not any(m.startswith("decode step, float32, ≥ 90%") for m in missed)
+    assert "the peer runs time no page walk" not in text
+    assert "**Engine decode step vs the page walk of its pages" in text         # vllm_compare's table of them
+
+
+def test_loop_target_judges_256_tokens_or_fewer(tmp_path):
+    """float32: 64x256 at 2.5x a loop of steps -> met (32x1024 at 1.0x shown, not judged); bfloat16: 64x256 at
+    1.5x -> missed."""
+    res = [engine_beside("batch", "32x1024", "float32", 1e-2, 1e-2, length=1024),
+           engine_beside("batch", "64x256", "float32", 1e-2, 2.5e-2, length=256, modes=("cold", "hot")),
+           engine_beside("batch", "64x256", "bfloat16", 1e-2, 1.5e-2, length=256)]
+    text, missed = peer_section([save(tmp_path / "l.json", res)])
+    target = "≥ 2x a loop of steps at ≤ 256 tokens"
+    f32 = row(text, "batched decode, float32", target)
+    assert "**met**" in f32 and "2.50x over 2 ≤ 256-token cells" in f32 and "32x1024 cold 1.00x" in f32
+    bf16 = row(text, "batched decode, bfloat16", target)
+    assert "**missed**" in bf16 and "64x256 cold 1.50x" in bf16
+    assert any(m.startswith(f"batched decode, bfloat16, {target}") for m in missed)
+    assert "**Engine batch_step vs a loop of steps" in text
+
+
+def test_runs_without_the_engine_extras_say_not_measured(first_run):
+    """An older file (no walk, no loop of steps) keeps the two rows 'not measured', with where to look."""
+    text, missed = peer_section([first_run])
+    assert "not measured" in row(text, "decode step", "≥ 90% of the page-walk ceiling where bandwidth-bound")
+    assert "not measured" in row(text, "batched decode", "≥ 2x a loop of steps at ≤ 256 tokens")
+    assert "Engine decode step vs the page walk" not in text
+    assert not any("page-walk" in m or "loop of steps" in m for m in missed)
