@@ -7,6 +7,7 @@ the same plain NumPy computation in float32 (the working precision). float64: 1e
 Every test is marked `kernel`; CI reruns `-m kernel --reduced-grid` with NUMBA_DISABLE_JIT=1 and with
 NUMBA_BOUNDSCHECK=1, so the reduced grid stays small enough for pure Python.
 """
+import hashlib
 import importlib.util
 import itertools
 import math
@@ -105,15 +106,29 @@ class Scene:
         scale = self.scale if scale is None else scale
         return naive.decode(*self.args(), scale, self.window, dtype=dtype)
 
+    def expected(self, scale=None):
+        """(float64 oracle, allowed error), computed once per content of the scene: a scene is checked against
+        several kernel runs (modes, splits), and the oracle plus its budget (four NumPy / torch oracles) cost far
+        more than a kernel run. The key is a digest of every input, so a scene changed in place is recomputed."""
+        digest = hashlib.blake2b(repr((scale, self.window, self.scale)).encode())
+        for a in self.args():
+            digest.update(repr((a.dtype.str, a.shape)).encode())
+            digest.update(np.ascontiguousarray(a).view(np.uint8).data)
+        key = digest.hexdigest()
+        if getattr(self, "_expected", (None,))[0] != key:
+            ref = self.reference(scale=scale)
+            atol, rtol, factor = TOL[self.dtype]
+            allowed = atol + rtol * np.abs(ref)
+            if factor:
+                allowed = naive.budget(*self.args(), self.scale if scale is None else scale, self.window, ref=ref)
+            self._expected = (key, ref, allowed)
+        return self._expected[1:]
+
     def check(self, out, scale=None):
         """Within the float32 budget of the float64 oracle (`naive.budget`; float64 storage: 1e-13)."""
-        ref = self.reference(scale=scale)
+        ref, allowed = self.expected(scale)
         assert out.shape == ref.shape
         assert out.dtype == (F64 if self.dtype == F64 else F32)
-        atol, rtol, factor = TOL[self.dtype]
-        allowed = atol + rtol * np.abs(ref)
-        if factor:
-            allowed = naive.budget(*self.args(), self.scale if scale is None else scale, self.window, ref=ref)
         err = np.abs(out - ref)
         assert np.isfinite(out).all()
         assert (err <= allowed).all(), f"max error {err.max():.3g}, allowed {np.min(allowed):.3g}..{np.max(allowed):.3g}"
