@@ -60,8 +60,11 @@ def workers() -> int:
 class Stage:
     """One pytest run of `dev.py test`: a name, its arguments, the environment changes it needs."""
 
-    def __init__(self, name, *args, env=None, spread=False):
+    def __init__(self, name, *args, env=None, spread=False, warm=False):
+        """warm: waits until the first foreground stage has filled numba's cache (its Ray workers' first calls
+        have a timeout and must not compile cold)."""
         self.name, self.args, self.env, self.spread = name, [str(a) for a in args], dict(env or {}), spread
+        self.warm = warm
         self.seconds, self.code = None, None
 
     def command(self, py: Path, n: int) -> list:
@@ -109,7 +112,7 @@ def stages(extra) -> tuple[list, list]:
                                 env={flag: "1", "NUMBA_CACHE_DIR": str(VENV / f"numba-{flag.lower()}")}))
     if CONFORMANCE.is_dir():
         background.append(Stage("conformance", "--rootdir", ROOT, CONFORMANCE))
-    background.append(Stage("benchmarks", "benchmarks", "--benchmark-disable", "--quick"))
+    background.append(Stage("benchmarks", "benchmarks", "--benchmark-disable", "--quick", warm=True))
     return foreground, background
 
 
@@ -128,11 +131,19 @@ def test(py: Path, extra) -> None:
         logs = VENV / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         paths = [logs / f"stage-{i}.log" for i in range(len(background))]
-        side = threading.Thread(target=lambda: [s.run(py, n, log=p) for s, p in zip(background, paths)],
-                                daemon=True)
+        cached = threading.Event()                                 # the first foreground stage has ended
+
+        def chain():
+            for stage, path in zip(background, paths):
+                if stage.warm:
+                    cached.wait()
+                stage.run(py, n, log=path)
+
+        side = threading.Thread(target=chain, daemon=True)
         side.start()
         for stage in foreground:
             stage.run(py, n)
+            cached.set()
         side.join()
         for stage, path in zip(background, paths):
             print(f"---- [{stage.name}] output ----\n{path.read_text()}---- end of [{stage.name}] ----", flush=True)
