@@ -147,9 +147,7 @@ def softmax_block(S, nb, m, l, acc, first, scale):
     Dv = acc.shape[1]
     for g in range(G):
         Sg = S[g]
-        mb = Sg[0]
-        for c in range(1, nb):
-            mb = max(mb, Sg[c])
+        mb = lane_max(Sg, nb)
         ag = acc[g]
         z = mb - mb
         if first:
@@ -170,6 +168,29 @@ def softmax_block(S, nb, m, l, acc, first, scale):
             Sg[c] = exp((Sg[c] - mg) * scale)
         m[g] = mg
         l[g] = lg + lane_sum(Sg, nb)
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def lane_max(x, n):
+    """max(x[0], ..., x[n-1]) (n >= 1) by eight running maxima (lane j takes x[j], x[j + 8], ...), so that it
+    vectorises without fastmath's reassociation (`lane_sum`); a maximum of exact values is exact in any order."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = x[0]
+    c = 0
+    while c + 8 <= n:
+        a0 = max(a0, x[c])
+        a1 = max(a1, x[c + 1])
+        a2 = max(a2, x[c + 2])
+        a3 = max(a3, x[c + 3])
+        a4 = max(a4, x[c + 4])
+        a5 = max(a5, x[c + 5])
+        a6 = max(a6, x[c + 6])
+        a7 = max(a7, x[c + 7])
+        c += 8
+    m = max(max(max(a0, a1), max(a2, a3)), max(max(a4, a5), max(a6, a7)))
+    while c < n:
+        m = max(m, x[c])
+        c += 1
+    return m
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
