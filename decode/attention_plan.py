@@ -41,7 +41,7 @@ TILE_ROWS = 128              # (query, q head) rows per tile: tokens per tile = 
 TILE_BLOCK = 128             # keys per score tile
 TILED_SERIAL_WORK = 1 << 20  # rows x visible keys x (head_dim + head_dim_v) below this: no threads
 TILED_SPLIT = 1024           # a tile's keys are cut at absolute multiples of this (a multiple of TILE_BLOCK)
-TILED_WHOLE = 8              # ... unless its run has this many tiles per kv head or more (never with split_tokens)
+TILED_WHOLE = 4              # ... unless its run has this many tiles per kv head or more (never with split_tokens)
 
 PRECISIONS = ("default", "highest")
 WIDE_HEAD_DIM = 64           # q.k of shorter heads is accumulated in float64 (`accumulator`)

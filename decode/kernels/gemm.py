@@ -16,17 +16,19 @@ running max after q.K^T. Each is the same one rounding as the separate pass it r
 dtype; a max), so the results are bitwise those of the passes.
 
 A (any 2-D C-contiguous array, addressed flat with element strides a_rs / a_cs, so the same block serves A and
-A transposed) and B [nk.., cols] C-contiguous arrays of the accumulation dtype (A's = B's), C [rows, cols]
+A transposed) and B [nk.., cols] C-contiguous arrays of the accumulation dtype (A's = B's; or one of them
+float16 / bfloat16 bits, uint16 / int16, under float32 accumulation: widened exactly as loaded, A's elements as
+they are broadcast: the score GEMM reads 16-bit K pages in place), C [rows, cols]
 C-contiguous, float32 or float64: float32 C with float64 A / B accumulates in float64 and rounds once into C
 (the multi-query kernel's exact scores). LANES = 16 for float32, 8 for float64 accumulation; nv in 1..4. A
 block's mr x nv accumulators (mr = 6: 24 of the 32 zmm registers) stay in registers over the whole k loop: per
 k, nv vector loads and mr broadcasts feed mr x nv FMAs (6 x 4: 10 loads per 24 FMAs; 4 x 4: 8 per 16). Every
 element of C is one FMA chain over k in order, whatever the block it falls in, so the blocking never changes a
-bit of the result. A fresh C (init != 0, the multi-query kernel's score GEMM) of the accumulation dtype is summed
+bit of the result. A fresh C (init & FRESH, the multi-query kernel's score GEMM) of the accumulation dtype is summed
 in chunks of `KCHUNK` = 32 steps of k, each started from zero and added into C: one FMA chain over all of
 head_dim rounds at the magnitude of the running score at every step and came out up to 1.3x over the accuracy
 budget at head_dim 128, |q.k| ~ 3000 (tests/decode/test_int8_kernel.py::test_score_magnitudes); chunks of 32
-took it to <= 0.33x. C += ... (init == 0, the PV GEMM) and a narrower C (a float64 sum rounded once into
+took it to <= 0.33x. C += ... (no FRESH, the PV GEMM) and a narrower C (a float64 sum rounded once into
 float32) stay one chain. The caller keeps every touched element inside the arrays (pads rows to 4 and columns
 to LANES). The plain-NumPy twins run under NUMBA_DISABLE_JIT (the same chunks).
 """

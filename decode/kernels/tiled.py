@@ -8,8 +8,9 @@ query heads of one kv head h: rows r = t*G + g (token-major). Per tile, keys are
     Kb [nb, D] <- the block's K rows (widened by the format's loader, `loaders.block_rows`), ST [nb, R] = Kb @ QT
     (QT [D, R]: the tile's queries, transposed once per tile; accumulated in float32 in chunks of 32 steps of
     head_dim (`gemm.KCHUNK`), or in float64 for precision="highest": every product exact, each score rounded once
-    into ST; the scale is applied to the dot products), the online softmax runs down ST's columns (one per row: the max, exp and sum vectorise over
-    rows), O [R, Dv] += P @ Vb with P read as ST transposed.
+    into ST; the scale is applied to the dot products, and the block's column maxima taken, in the GEMM's
+    epilogue), the online softmax runs down ST's columns (one per row: exp and sum vectorise over rows),
+    O [R, Dv] = alpha * O + P @ Vb with P read as ST transposed (alpha applied as the GEMM loads O).
 
 Both products go through `gemm.gemm_strip` (6- then 4-row x up to 64-column register blocks; the column
 strip outermost, so QT's / Vb's strip stays in L1 while the other operand streams), and the next block's K / V
