@@ -5,7 +5,8 @@ copying every overwritten byte (the rule before it, reproduced here by a patched
 
 One `KVCache.append` of ``tokens`` tokens (8 layers, 8 kv heads, head_dim 64: the hf target's Llama shape) into
 a fresh pool, three ways interleaved per round: "new" (fresh zero pages: nothing saved), "old" (the copying
-journal) and "reused" (the new journal over pages that held K/V before: the copies are still made). Peak extra
+journal) and "reused" (the new journal over pages that held K/V before and were freed: zeroed at the free,
+`CacheCore.clear_freed`, so nothing is saved either; before that change the copies were made). Peak extra
 memory is tracemalloc's peak during the append (numpy's buffers and the saved bytes; the input arrays and the
 pool are allocated before); prints medians and the new / old time ratio.
 """

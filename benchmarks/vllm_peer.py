@@ -22,6 +22,15 @@ Cold: ``layers`` copies of the cache, enough that ``--cold-mib`` MiB of K/V lie 
 visited in rotation; hot: copy 0 every call. K/V values are drawn exactly representable in the storage dtype (the
 same bytes in every implementation); the output of copy 0 is checked against a float64 reference (q as given, in
 float32) before any timing, and the relative error is reported.
+
+The engine's processes also measure, beside its timed calls (engine only; ``--no-beside`` turns it off): before
+every timed call, untimed by it, on the copy half a rotation away (copy 0 itself when hot),
+* decode step: `benchmarks.walk.page_walk` of that copy's pages (the pages a step reads, the kernel's threads):
+  ``walk_s``, ``walk_gb_per_s`` and ``frac_walk`` = walk median / step median (the step's share of the ceiling);
+* batch: a loop of `Decoder.step` over the same sequences of that copy (checked against the reference like the
+  timed call): ``loop_s`` and ``loop_over_batch`` = loop median / `batch_step` median.
+Alternating them with the timed calls keeps both in the same memory state (it changes within minutes); their time
+is added to the case's budget, so the timed calls are as many as without them.
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 THREADS = 2             # --threads
 HOT_MAX_BYTES = 64 * MiB  # "hot" only where one copy can stay in the caches (L3 32 MiB here; 64 MiB read hot)
 MIN_CALLS = 9           # per case and mode: the best of them survives a shared machine's scheduling delays
+BESIDE = True           # --no-beside: the engine's page walks / loops of steps beside its timed calls off
 TOLERANCE = {"float32": 2e-4, "float16": 3e-3, "bfloat16": 3e-2}    # vLLM rounds q to the storage dtype
 
 
@@ -190,6 +200,17 @@ class Engine:
             self.new.append((np.ascontiguousarray(np.concatenate(ks)), np.ascontiguousarray(np.concatenate(vs))))
         self.q = data.q
         self.extra = {"page_size": page_size, "numba_threads": numba.get_num_threads()}
+        self.beside = None if not BESIDE else ("loop" if c.batch > 1 else ("walk" if c.tokens == 1 else None))
+        self.beside_s: list[float] = []
+        if self.beside == "walk":
+            # the pages of the cached tokens; the new token lands in the last of them at every shape here
+            # (start = n - 1, n a multiple of the page), so these are the pages the step reads
+            from .walk import page_walk, walked_bytes
+
+            self.page_walk = page_walk
+            pools = [decs[0].cache.pool for decs in self.decs]
+            self.walks = [(p.k_pages(0), p.v_pages(0), p.page_table(decs[0].seq)) for p, decs in zip(pools, self.decs)]
+            self.extra["walk_bytes"] = walked_bytes(*self.walks[0])
 
     def setup(self, copy: int) -> None:
         for dec in self.decs[copy]:
@@ -203,6 +224,22 @@ class Engine:
         if c.tokens == 1:
             return decs[0].step(self.q[0], k[0], v[0])[None]
         return decs[0].extend(self.q, k, v)
+
+    def loop(self, copy: int) -> np.ndarray:
+        """The batch of ``copy`` as a loop of `Decoder.step`, one sequence after another -> [B, hq, d]."""
+        (k, v), decs = self.new[copy], self.decs[copy]
+        return np.stack([dec.step(self.q[b], k[b], v[b]) for b, dec in enumerate(decs)])
+
+    def alongside(self, copy: int) -> None:
+        """The engine-only measure beside a timed call (``self.beside``), on ``copy``: its page walk or its loop
+        of steps; the seconds appended to ``beside_s``."""
+        if self.beside == "walk":
+            self.beside_s.append(self.page_walk(*self.walks[copy]))
+            return
+        self.setup(copy)
+        t0 = time.perf_counter()
+        self.loop(copy)
+        self.beside_s.append(time.perf_counter() - t0)
 
 
 def torch_dtype(torch, dtype: str):
@@ -338,14 +375,22 @@ def copies_for(case: Case, dtype: str, cold_mib: int) -> int:
 def time_mode(impl, copies: int, budget: float, min_calls: int, max_calls: int) -> dict:
     """Median seconds of ``impl.call`` visiting copies 0..copies-1 in rotation (hot: copies == 1). Every copy is
     called once untimed first: a copy's first call would otherwise also pay the operating system's first touch of
-    its freshly mapped pages (a lazily zeroed pool), which is not what "cold" measures (K/V out of the caches)."""
+    its freshly mapped pages (a lazily zeroed pool), which is not what "cold" measures (K/V out of the caches).
+    An impl with a ``beside`` measure gets ``alongside(copy half a rotation away)`` before every call, its time
+    added to the budget (as many timed calls as without it); ``beside_s`` then holds one figure per timed call."""
     for copy in range(copies if copies > 1 else 0):
         impl.setup(copy)
         impl.call(copy)
+    beside = impl.alongside if getattr(impl, "beside", None) else None
     times, i = [], 0
     t_end = None
     while True:
         copy = i % copies
+        if beside is not None:
+            t0 = time.perf_counter()
+            beside((copy + copies // 2) % copies)
+            if t_end is not None:
+                t_end += time.perf_counter() - t0
         impl.setup(copy)
         t0 = time.perf_counter()
         impl.call(copy)
@@ -354,12 +399,35 @@ def time_mode(impl, copies: int, budget: float, min_calls: int, max_calls: int) 
         if i == 2:                                      # two warm-up calls, then size the run
             per = max(1e-6, min(times))
             times.clear()
+            if beside is not None:
+                impl.beside_s.clear()
             t_end = time.perf_counter() + budget
             max_calls = int(min(max_calls, max(min_calls, budget / per)))
         if t_end is not None and (len(times) >= max_calls or (len(times) >= min_calls and time.perf_counter() > t_end)):
             break
-    return {"median_s": float(np.median(times)), "min_s": float(min(times)),
-            "p25_s": float(np.percentile(times, 25)), "calls": len(times)}
+    out = {"median_s": float(np.median(times)), "min_s": float(min(times)),
+           "p25_s": float(np.percentile(times, 25)), "calls": len(times)}
+    if beside is not None:
+        out.update(beside_figures(impl, out["median_s"]))
+    return out
+
+
+def beside_figures(impl, median_s: float) -> dict:
+    """The ``beside`` measure of one mode: the walk's seconds, rate and the timed call's share of it
+    (``frac_walk`` = walk / call), or the loop of steps' seconds and its ratio to the call."""
+    med = float(np.median(impl.beside_s))
+    name = impl.beside
+    out = {f"{name}_s": med, f"{name}_min_s": float(min(impl.beside_s)), f"{name}_calls": len(impl.beside_s)}
+    if name == "walk":
+        out["walk_gb_per_s"] = impl.extra["walk_bytes"] / med / 1e9
+        out["frac_walk"] = med / median_s
+    else:
+        out["loop_over_batch"] = med / median_s
+    return out
+
+
+def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(got - ref)) / max(1e-30, float(np.max(np.abs(ref)))))
 
 
 def run_case(impl_name: str, case: Case, dtype: str, modes, cold_mib: int, page_size: int, budget: float) -> dict:
@@ -369,14 +437,17 @@ def run_case(impl_name: str, case: Case, dtype: str, modes, cold_mib: int, page_
     impl = IMPLS[impl_name](data, page_size)
     build_s = time.perf_counter() - t0
     impl.setup(0)
-    got = data.pick(as_numpy(impl.call(0)))
-    ref = data.reference()
-    err = float(np.max(np.abs(got - ref)) / max(1e-30, float(np.max(np.abs(ref)))))
+    err = rel_error(data.pick(as_numpy(impl.call(0))), data.reference())
     if not err <= TOLERANCE[dtype]:
         raise AssertionError(f"{impl_name} {case.name} {dtype}: relative error {err:.3g} > {TOLERANCE[dtype]:g}")
     result = {"impl": impl_name, "case": case.name, "kind": case.kind, "dtype": dtype, **asdict(case),
               "kv_bytes": case.kv_bytes(dtype), "flops": case.flops, "copies": copies, "rel_err": err,
               "build_s": build_s, **impl.extra}
+    if getattr(impl, "beside", None) == "loop":       # the loop of steps is checked like the timed call
+        impl.setup(0)
+        result["loop_rel_err"] = rel_error(data.pick(impl.loop(0)), data.reference())
+        if not result["loop_rel_err"] <= TOLERANCE[dtype]:
+            raise AssertionError(f"loop of steps {case.name} {dtype}: relative error {result['loop_rel_err']:.3g}")
     for mode in modes:
         if mode == "hot" and case.kv_bytes(dtype) > HOT_MAX_BYTES:
             continue                                    # one copy larger than the caches: hot == cold
@@ -418,9 +489,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=0.6, help="seconds of timed calls per case and mode")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-beside", action="store_true", help="engine: no page walk / loop of steps beside the timed "
+                   "calls")
     args = p.parse_args(argv)
-    global THREADS
-    THREADS = args.threads
+    global THREADS, BESIDE
+    THREADS, BESIDE = args.threads, not args.no_beside
     modes = args.modes.split(",")
     chosen = [c for c in cases(args.kinds.split(","), args.quick)
               if applies(args.impl, c) and (args.cases is None or c.name in args.cases.split(","))]

@@ -19,7 +19,7 @@ from numba import njit, prange
 def _walk(k_pages, v_pages, pages, nthreads, zero):
     """Sum of the K and V of ``pages [n]`` (physical page ids), thread c reading pages[c*n/T:(c+1)*n/T]; each
     page as two contiguous runs [num_kv_heads * page_size * head_dim] (K, then V). ``zero`` sets the
-    accumulator: float32 for float pages, uint32 for float16 pages read as uint16 (an integer sum)."""
+    accumulator: float32 for float32 pages, uint32 for 16-bit pages read as uint16 (an integer sum)."""
     n = pages.shape[0]
     part = np.full(nthreads, zero)
     for c in prange(nthreads):
@@ -37,17 +37,23 @@ def _walk(k_pages, v_pages, pages, nthreads, zero):
 
 def page_walk(k_pages: np.ndarray, v_pages: np.ndarray, pages: np.ndarray) -> float:
     """Read ``pages`` (int32 physical ids, the concatenated page-table rows) of ``k_pages / v_pages
-    [num_pages, num_kv_heads, page_size, head_dim]`` with the kernel's thread count; returns the seconds taken."""
+    [num_pages, num_kv_heads, page_size, head_dim]`` (float32, or 16-bit: float16, bfloat16's uint16 bits) with the
+    kernel's thread count; returns the seconds taken."""
     import numba
 
     nthreads = numba.get_num_threads()
     pages = np.ascontiguousarray(pages, dtype=np.int32)
     t0 = time.perf_counter()
-    if k_pages.dtype == np.float16:
+    if k_pages.dtype.itemsize == 2:
         _walk(k_pages.view(np.uint16), v_pages.view(np.uint16), pages, nthreads, np.uint32(0))
     else:
         _walk(k_pages, v_pages, pages, nthreads, np.float32(0.0))
     return time.perf_counter() - t0
+
+
+def walked_bytes(k_pages: np.ndarray, v_pages: np.ndarray, pages: np.ndarray) -> int:
+    """Bytes `page_walk` reads for ``pages``: each page's K and V, all kv heads."""
+    return len(pages) * (k_pages[0].nbytes + v_pages[0].nbytes)
 
 
 class WalkCeiling:

@@ -34,6 +34,7 @@ class CacheCore:
         self.salt = salt
         self.fault_hook = no_fault
         self.group = None
+        self.freed: list[int] = []      # pages freed since the last `clear_freed` (see there)
 
     def fault(self, point: str) -> None:
         """The fault point ``point`` (the current hook decides whether it raises)."""
@@ -107,6 +108,21 @@ class CacheCore:
             self.index.park(page)
             if journal is not None:
                 journal.record(lambda: (self.index.unpark(page), alloc.reclaim(page)))
+        elif freed:
+            self.freed.append(page)
+
+    def clear_freed(self) -> None:
+        """Zero the bytes of the pages freed by finished operations that are still free, once no open group can
+        take a free back (call it when ``group`` is None): a later write into such a page finds zeros, which the
+        journal records without a copy (`Journal.save_bytes`), so a prefill into recycled pages saves nothing,
+        and their memory goes back to the OS. A page a rollback took back since (referenced or parked again)
+        keeps its bytes."""
+        alloc, pages = self.allocator, self.freed
+        self.freed = []
+        parked = alloc.parked() if alloc.num_parked else ()
+        free = [page for page in set(pages) if alloc.ref_count(page) == 0 and page not in parked]
+        if free:
+            self.pool.clear_pages(free)
 
     def copy_on_write(self, s: Sequence, logical: int, new_page: int, journal: Journal) -> None:
         """Give ``s`` a private copy (all layers) of its shared page at ``logical``."""
@@ -132,6 +148,8 @@ class CacheCore:
             raise
         publish()
         self.keep_for_group(journal, unpublish)
+        if self.freed and self.group is None:
+            self.clear_freed()
 
     def keep_for_group(self, journal: Journal | None, undo=None) -> None:
         """Hand a finished operation's undo steps to the `OpGroup` open in this thread, if any."""

@@ -49,14 +49,21 @@ class OpGroup:
 
     def rollback(self) -> None:
         """Undo every operation recorded in the group (newest first); the group is closed."""
-        with self._core.lock:
+        core = self._core
+        with core.lock:
             self.journal.rollback()
             self.closed = True
+            if core.freed and core.group is None:
+                core.clear_freed()
 
     def close(self) -> None:
         """Keep every recorded operation (an enclosing group takes them over); the group is closed."""
-        outer, self._outer = self._outer, None
-        if outer is not None and not outer.closed:
-            outer.journal.extend(self.journal)
-        self.journal.clear()
-        self.closed = True
+        core = self._core
+        with core.lock:
+            outer, self._outer = self._outer, None
+            if outer is not None and not outer.closed:
+                outer.journal.extend(self.journal)
+            self.journal.clear()
+            self.closed = True
+            if core.freed and core.group is None:
+                core.clear_freed()              # the frees of the group are final now

@@ -1,11 +1,13 @@
 """An undo journal: every change made by a cache operation records its inverse, and a failure replays the
 inverses newest-first, so metadata and bytes return exactly to what they were (O(changes), not O(cache)).
 
-Bytes no token ever used need no copy: the pool is allocated zeroed (`kvcache.mapped.zeros`), so the slots of a page no
-committed token was ever written to hold zero bits, and their undo is to write zeros back. `save_bytes` checks
-that (one read of the view, no allocation) instead of trusting any bookkeeping, so a prefill into fresh pages
-keeps no copy of what it overwrites while a write over bytes someone left there (a freed page's old K/V, a
-test's painted sentinel) still saves them."""
+Bytes no token ever used need no copy: the pool is allocated zeroed (`kvcache.mapped.zeros`), and a page freed
+by a finished operation is zeroed again (`CacheCore.clear_freed`, once no open group can take the free back), so
+the slots of a free page hold zero bits, and their undo is to write zeros back. `save_bytes` checks that (one read
+of the view) instead of trusting any bookkeeping, so a prefill into fresh or recycled pages keeps no copy of what
+it overwrites, while a write over bytes someone left there (a cached prefix page evicted for it, a page freed inside
+a group still open, the slots past a truncated length in a kept page, a test's painted sentinel) still saves
+them."""
 from typing import Callable
 
 import numpy as np

@@ -5,8 +5,12 @@
     python -m benchmarks.report RESULTS.json --memory-json MEM.json   # + formula vs measured memory plot
     python -m benchmarks.report --run --memory         # ... and run `python -m decode.app.cli memory --json` too
     python -m benchmarks.report --run -- -k MQA        # after --: extra pytest arguments
+    python -m benchmarks.report --peer-json benchmarks/results/vllm-peer-X.json   # issue 20's section from a
+                                                       # `python -m benchmarks.vllm_compare --out` file (repeatable)
 
 The JSON of the run the committed document shows is benchmarks/results/full-run.json. Hand-written notes in
-docs/benchmarks.md between ``<!-- notes:begin -->`` and ``<!-- notes:end -->`` survive a re-render.
+docs/benchmarks.md between ``<!-- notes:begin -->`` and ``<!-- notes:end -->`` (and the ``issue20-notes`` and
+``hf-path`` blocks) survive a re-render; the issue-20 section is generated from the peer runs the document's header
+names unless ``--peer-json`` gives others.
 """
 

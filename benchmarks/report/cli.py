@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __doc__ as PACKAGE_DOC
 from .document import render
+from .peer_sections import recorded_peer_runs
 from .results import DISTURBED_CORES, DOC, MEMORY, RESULTS, ROOT, Results
 
 
@@ -94,6 +95,10 @@ def main(argv=None) -> int:
     p.add_argument("--memory", action="store_true", help="also run `python -m decode.app.cli memory --json`")
     p.add_argument("--memory-json", default=None, help="a saved `kvengine memory --json` output")
     p.add_argument("--doc", default=str(DOC), help="where to write the markdown (default docs/benchmarks.md)")
+    p.add_argument("--peer-json", action="append", default=None, metavar="FILE",
+                   help="a saved `python -m benchmarks.vllm_compare --out` file for the issue-20 section; repeat to "
+                        "merge runs cell by cell, later files winning (default: the files the existing --doc names "
+                        "in its header)")
     argv = list(sys.argv[1:] if argv is None else argv)
     pytest_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
@@ -129,7 +134,13 @@ def main(argv=None) -> int:
     memory_rows = json.loads(memory_path.read_text()) if memory_path and memory_path.exists() else None
     res = Results(json.loads(results.read_text()))
     doc = Path(args.doc)
-    text = render(res, memory_rows, results, doc)
+    before = recorded_peer_runs(doc.read_text()) if doc.exists() else []
+    peers = [Path(p) for p in args.peer_json] if args.peer_json else None
+    text = render(res, memory_rows, results, doc, peers)
+    if recorded_peer_runs(text) != before:
+        print(f"the issue-20 peer runs changed ({' '.join(before) or 'none'} -> "
+              f"{' '.join(recorded_peer_runs(text)) or 'none'}): review the hand-written issue20-notes block, "
+              "written for the old ones", file=sys.stderr)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
     print(f"wrote {doc} and {doc.parent / 'img'}/*.png from {results}")

@@ -31,7 +31,7 @@ import torch
 from decode.attention_plan import AttentionPlan, LayerPools, raise_released, route_min_run
 from decode.kernels.input_check import CheckCode, check_inputs
 
-from . import layer_tensors, query_chunks
+from . import heap, layer_tensors, query_chunks
 
 # forwards with at least this many real queries (prefills) run the kernel on numba's threads: long enough that
 # torch's spinning OpenMP threads have gone idle (measured: a 4096-token prefill on 2 cores 16.2 s single-threaded
@@ -159,7 +159,10 @@ class ForwardPlan:
         try:
             plans = self._plan(window)
             self._write(layer, key, value)
-            return self._attend(plans, layer, query, scale, window)
+            out = self._attend(plans, layer, query, scale, window)
+            if self.num_tokens >= PARALLEL_QUERIES:
+                heap.trim()                 # a prefill's freed temporaries leave RSS before the MLP (`heap`)
+            return out
         finally:
             numba.set_num_threads(threads)
 

@@ -176,3 +176,23 @@ def test_bfloat16_kv_reach_bfloat16_pages_as_their_bits():
     assert out.dtype == torch.bfloat16
     for stored, x in zip(pool.gather(seq), (k, v)):                   # widened to float32: exact
         np.testing.assert_array_equal(stored, x[0].transpose(0, 1).float().numpy())
+
+
+def test_prefill_layers_trim_the_heap_decode_steps_do_not(monkeypatch):
+    """A forward of >= PARALLEL_QUERIES real tokens gives malloc's free heap back after each layer's attention
+    (`decode.hf.heap`: its freed temporaries would stay in the peak RSS beside the MLP's); a decode step never."""
+    from decode.hf import heap, plan
+    calls = []
+    monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)
+    model = build(llama(3), "pagedkv")
+    ids, mask = prompts(1, plan.PARALLEL_QUERIES, seed=5)
+    generate(model, ids, mask, cache=cache_for(model, max_tokens=512, page_size=16), max_new_tokens=3,
+             do_sample=False)
+    assert len(calls) == 3                                       # the prefill's 3 layers; none of the 2 steps
+
+
+def test_heap_trim_runs_on_glibc():
+    import platform
+
+    from decode.hf import heap
+    assert heap.trim() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
