@@ -28,7 +28,7 @@ import numba
 import numpy as np
 import torch
 
-from decode.attention_plan import AttentionPlan, LayerPools, raise_released, route_min_run
+from decode.attention_plan import AttentionPlan, pools_of, raise_released, route_min_run
 from decode.kernels.input_check import CheckCode, check_inputs
 
 from . import heap, layer_tensors, query_chunks
@@ -75,7 +75,7 @@ class ForwardPlan:
         except BaseException:
             self.tx.rollback()
             raise
-        self.pools = LayerPools(pool)
+        self.pools = pools_of(pool)                    # kernel views of the pages, made once per pool
         self.compute = self.pools.compute
         self.plans_made = 0
         self._plans = {}                  # window -> [(chunk, AttentionPlan)]
