@@ -41,6 +41,7 @@ TILE_ROWS = 128              # (query, q head) rows per tile: tokens per tile = 
 TILE_BLOCK = 128             # keys per score tile
 TILED_SERIAL_WORK = 1 << 20  # rows x visible keys x (head_dim + head_dim_v) below this: no threads
 TILED_SPLIT = 1024           # a tile's keys are cut at absolute multiples of this (a multiple of TILE_BLOCK)
+TILED_WHOLE = 4              # ... unless its run has this many tiles per kv head or more (never with split_tokens)
 
 PRECISIONS = ("default", "highest")
 WIDE_HEAD_DIM = 64           # q.k of shorter heads is accumulated in float64 (`accumulator`)
@@ -209,7 +210,8 @@ class TilePlan:
         self.serial = mode == 1 or (mode == 0 and (work < TILED_SERIAL_WORK or nthreads < 2))
         split = split_tokens if split_tokens > 0 else TILED_SPLIT
         self.units, self.bounds, self.items, self.parts, self.slots = plan_tiles(
-            runs, num_kv_heads, group, window, tokens, split, 1 if self.serial else 4 * nthreads)
+            runs, num_kv_heads, group, window, tokens, split, 1 if self.serial else 4 * nthreads,
+            0 if split_tokens > 0 else TILED_WHOLE)
 
     def run(self, q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, scale, window, out):
         """One layer: out[i] of every query i in a run (kernel views of the pages; the plan's positions)."""

@@ -2,23 +2,33 @@
 6 (then 4) rows x `nv` vectors, each B row (a contiguous vector strip) loaded once per block of A rows and A's
 elements broadcast.
 
-    gemm_strip(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init)
+    gemm_strip(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init, rsc, sc, mx, imax)
         C[i, c0 : c0 + nv * LANES] (=|+=) sum_{k < nk} A_flat[i * a_rs + k * a_cs] * B[k, c0 : ...]
-        for i0 <= i < i1 (i1 - i0 a multiple of MR = 4); init != 0 starts from zero, else from C.
-    gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init)     the same for the 4 rows i0..i0+3
+        for i0 <= i < i1 (i1 - i0 a multiple of MR = 4). init: flags, FRESH starts from zero, else from C;
+        RESCALE multiplies C's old row i by rsc[i] first; SCALE multiplies the finished C by sc; COLMAX folds
+        the finished rows i < imax into the column maxima mx[c0 : ...] (rsc, mx: 1-D arrays of C's dtype).
+    gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init, rsc, sc, mx, imax)     the same for the 4 rows i0..i0+3
+    transpose16(qf, off, d0, QT, r0)                                          a 16 x 16 transposed copy
+
+The flags are the online softmax's element passes folded into the GEMMs' prologue / epilogue, where C's block
+is in registers or L1 anyway: O's rescale by alpha before P @ V adds to it, the score scale and the block's
+running max after q.K^T. Each is the same one rounding as the separate pass it replaces (a product in C's
+dtype; a max), so the results are bitwise those of the passes.
 
 A (any 2-D C-contiguous array, addressed flat with element strides a_rs / a_cs, so the same block serves A and
-A transposed) and B [nk.., cols] C-contiguous arrays of the accumulation dtype (A's = B's), C [rows, cols]
+A transposed) and B [nk.., cols] C-contiguous arrays of the accumulation dtype (A's = B's; or one of them
+float16 / bfloat16 bits, uint16 / int16, under float32 accumulation: widened exactly as loaded, A's elements as
+they are broadcast: the score GEMM reads 16-bit K pages in place), C [rows, cols]
 C-contiguous, float32 or float64: float32 C with float64 A / B accumulates in float64 and rounds once into C
 (the multi-query kernel's exact scores). LANES = 16 for float32, 8 for float64 accumulation; nv in 1..4. A
 block's mr x nv accumulators (mr = 6: 24 of the 32 zmm registers) stay in registers over the whole k loop: per
 k, nv vector loads and mr broadcasts feed mr x nv FMAs (6 x 4: 10 loads per 24 FMAs; 4 x 4: 8 per 16). Every
 element of C is one FMA chain over k in order, whatever the block it falls in, so the blocking never changes a
-bit of the result. A fresh C (init != 0, the multi-query kernel's score GEMM) of the accumulation dtype is summed
+bit of the result. A fresh C (init & FRESH, the multi-query kernel's score GEMM) of the accumulation dtype is summed
 in chunks of `KCHUNK` = 32 steps of k, each started from zero and added into C: one FMA chain over all of
 head_dim rounds at the magnitude of the running score at every step and came out up to 1.3x over the accuracy
 budget at head_dim 128, |q.k| ~ 3000 (tests/decode/test_int8_kernel.py::test_score_magnitudes); chunks of 32
-took it to <= 0.33x. C += ... (init == 0, the PV GEMM) and a narrower C (a float64 sum rounded once into
+took it to <= 0.33x. C += ... (no FRESH, the PV GEMM) and a narrower C (a float64 sum rounded once into
 float32) stay one chain. The caller keeps every touched element inside the arrays (pads rows to 4 and columns
 to LANES). The plain-NumPy twins run under NUMBA_DISABLE_JIT (the same chunks).
 """
@@ -34,6 +44,10 @@ from numba.extending import intrinsic, overload
 JIT = not _nb_config.DISABLE_JIT
 MR = 4          # rows of A (and C) per block
 KCHUNK = 32     # steps of k per partial sum of a fresh C (init): the chains stay short (module docstring)
+FRESH = 1       # init flags: C = A @ B (in KCHUNK chunks), else C += A @ B
+RESCALE = 2     # C[i, :] *= rsc[i] first (the online softmax's rescale of O, folded into the P @ V GEMM)
+SCALE = 4       # C *= sc at the end (the score scale, applied to the finished dot products)
+COLMAX = 8      # mx[c] = max(mx[c], C[i, c] over rows i < imax) at the end (the softmax's block max)
 
 
 def lanes(dtype) -> int:
@@ -41,26 +55,34 @@ def lanes(dtype) -> int:
     return 8 if np.dtype(dtype) == np.float64 else 16
 
 
-def gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init):
+def gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init, rsc, sc, mx, imax):
     """NumPy twin (see the module docstring)."""
     n = nv * lanes(A.dtype)
     B = row_f(B)
     flat = A.reshape(-1)
     rows = np.array([[flat[(i0 + a) * a_rs + k * a_cs] for k in range(nk)] for a in range(MR)], dtype=B.dtype)
-    if not init:
-        C[i0:i0 + MR, c0:c0 + n] += rows.reshape(MR, nk) @ B[:nk, c0:c0 + n] if nk else 0
-        return
-    step = KCHUNK if C.dtype == B.dtype else max(nk, 1)
-    blk = np.zeros((MR, n), C.dtype)
-    for k0 in range(0, nk, step):
-        blk += (rows[:, k0:k0 + step] @ B[k0:min(nk, k0 + step), c0:c0 + n]).astype(C.dtype)
-    C[i0:i0 + MR, c0:c0 + n] = blk
+    blk = C[i0:i0 + MR, c0:c0 + n]
+    if init & RESCALE:
+        blk *= rsc[i0:i0 + MR, None]
+    if not init & FRESH:
+        blk += rows.reshape(MR, nk) @ B[:nk, c0:c0 + n] if nk else 0
+    else:
+        step = KCHUNK if C.dtype == B.dtype else max(nk, 1)
+        acc = np.zeros((MR, n), C.dtype)
+        for k0 in range(0, nk, step):
+            acc += (rows[:, k0:k0 + step] @ B[k0:min(nk, k0 + step), c0:c0 + n]).astype(C.dtype)
+        blk[:] = acc
+    if init & SCALE:
+        blk *= C.dtype.type(sc)
+    if init & COLMAX:
+        for a in range(min(MR, imax - i0)):
+            mx[c0:c0 + n] = np.maximum(mx[c0:c0 + n], blk[a])
 
 
-def gemm_strip(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init):
+def gemm_strip(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init, rsc, sc, mx, imax):
     """NumPy twin (see the module docstring)."""
     for i in range(i0, i1, MR):
-        gemm4(A, a_rs, a_cs, i, B, c0, C, nk, nv, init)
+        gemm4(A, a_rs, a_cs, i, B, c0, C, nk, nv, init, rsc, sc, mx, imax)
 
 
 if JIT:
@@ -78,17 +100,22 @@ if JIT:
         return ary.data, _cg.unpack_tuple(builder, ary.shape, 2)[1]
 
     def _make_gemm(nv, mr=MR):
-        def typer(typingctx, A, a_rs, a_cs, i0, B, c0, C, nk, init):
+        def typer(typingctx, A, a_rs, a_cs, i0, B, c0, C, nk, init, rsc, sc, mx, imax):
             if not (isinstance(A, types.Array) and isinstance(B, types.Array) and isinstance(C, types.Array)
-                    and isinstance(A.dtype, types.Float) and isinstance(C.dtype, types.Float)
-                    and C.dtype.bitwidth <= A.dtype.bitwidth
-                    and (A.dtype == B.dtype or (A.dtype == types.float32 and B.dtype in _WIDENED))):
+                    and isinstance(B.dtype if A.dtype in _WIDENED else A.dtype, types.Float)
+                    and isinstance(C.dtype, types.Float)
+                    and C.dtype.bitwidth <= (B.dtype if A.dtype in _WIDENED else A.dtype).bitwidth
+                    and (A.dtype == B.dtype or (A.dtype == types.float32 and B.dtype in _WIDENED)
+                         or (A.dtype in _WIDENED and B.dtype == types.float32))
+                    and isinstance(rsc, types.Array) and rsc.dtype == C.dtype
+                    and isinstance(mx, types.Array) and mx.dtype == C.dtype and isinstance(sc, types.Number)):
                 return None
 
             def codegen(context, builder, sig, args):
                 aty, bty, cty = sig.args[0], sig.args[4], sig.args[6]
-                L = 8 if aty.dtype == types.float64 else 16
-                vt = _ir.VectorType(context.get_value_type(aty.dtype), L)
+                cdt = bty.dtype if aty.dtype in _WIDENED else aty.dtype         # the accumulation dtype
+                L = 8 if cdt == types.float64 else 16
+                vt = _ir.VectorType(context.get_value_type(cdt), L)
                 ct = _ir.VectorType(context.get_value_type(cty.dtype), L)      # C's vectors (narrower: rounded)
                 narrow = ct != vt
                 rs, cs, i0_, c0_, nk_ = (context.cast(builder, args[i], sig.args[i], types.int64)
@@ -100,7 +127,14 @@ if JIT:
                 fma = _cg.get_or_insert_function(builder.module, _ir.FunctionType(vt, [vt, vt, vt]),
                                                  "llvm.fma.v%d%s" % (L, "f64" if L == 8 else "f32"))
                 zero = _ir.Constant(vt, [0.0] * L)
-                is_init = builder.icmp_signed("!=", init_, _ir.Constant(_I64, 0))
+
+                def flag(f):
+                    return builder.icmp_signed("!=", builder.and_(init_, _ir.Constant(_I64, f)), _ir.Constant(_I64, 0))
+                is_init = flag(FRESH)
+                imax_ = context.cast(builder, args[12], sig.args[12], types.int64)
+                rsc_data = context.make_array(sig.args[9])(context, builder, args[9]).data
+                mx_data = context.make_array(sig.args[11])(context, builder, args[11]).data
+                sc_ = context.cast(builder, args[10], sig.args[10], cty.dtype)
                 a_rows = [builder.gep(a_data, [builder.mul(builder.add(i0_, _ir.Constant(_I64, a)), rs)])
                           for a in range(mr)]
                 c_ptrs = []
@@ -115,6 +149,18 @@ if JIT:
                         slots.append(_cg.alloca_once_value(builder, builder.select(
                             is_init, zero, builder.fpext(old, vt) if narrow else old)))
                 splat = _ir.Constant(_ir.VectorType(_I32, L), [0] * L)
+
+                def bcast(x, t):
+                    return builder.shuffle_vector(builder.insert_element(_ir.Constant(t, None), x,
+                                                                         _ir.Constant(_I32, 0)),
+                                                  _ir.Constant(t, None), splat)
+                with builder.if_then(flag(RESCALE)):       # C's old rows times rsc (a fresh C ignores them)
+                    for a in range(mr):
+                        f = builder.load(builder.gep(rsc_data, [builder.add(i0_, _ir.Constant(_I64, a))]))
+                        f = bcast(builder.fpext(f, vt.element) if narrow else f, vt)
+                        for v in range(nv):
+                            sl = slots[a * nv + v]
+                            builder.store(builder.fmul(builder.load(sl), f), sl)
                 one = _ir.Constant(_I64, 1)
                 # chunks of KCHUNK steps of k when init (a fresh C: the score GEMM), each summed from zero and
                 # added into C; one chain over all of k otherwise (C += ..., the PV GEMM) or when C is narrower
@@ -131,7 +177,12 @@ if JIT:
                                        L, vt) for v in range(nv)]
                         koff = builder.mul(k, cs)
                         for a in range(mr):
-                            x = builder.load(builder.gep(a_rows[a], [koff]))
+                            if aty.dtype in _WIDENED:          # a 16-bit element widened exactly (`vload_ir`)
+                                x = builder.extract_element(
+                                    vload_ir(context, builder, builder.gep(a_rows[a], [koff]), aty.dtype, 1,
+                                             _ir.VectorType(vt.element, 1)), _ir.Constant(_I32, 0))
+                            else:
+                                x = builder.load(builder.gep(a_rows[a], [koff]))
                             xv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), x,
                                                                                _ir.Constant(_I32, 0)),
                                                         _ir.Constant(vt, None), splat)
@@ -147,49 +198,121 @@ if JIT:
                             x = builder.select(first, x, builder.fadd(builder.load(p, align=4), x))
                             builder.store(x, p, align=4)
                             builder.store(zero, sl)
+                with builder.if_then(flag(SCALE)):
+                    scv = bcast(sc_, ct)
+                    for p in c_ptrs:
+                        builder.store(builder.fmul(builder.load(p, align=4), scv), p, align=4)
+                with builder.if_then(flag(COLMAX)):
+                    for v in range(nv):
+                        mp = builder.bitcast(builder.gep(mx_data, [builder.add(c0_, _ir.Constant(_I64, v * L))]),
+                                             ct.as_pointer())
+                        mv = builder.load(mp, align=4)
+                        for a in range(mr):
+                            x = builder.load(c_ptrs[a * nv + v], align=4)
+                            ok = builder.icmp_signed("<", builder.add(i0_, _ir.Constant(_I64, a)), imax_)
+                            take = builder.and_(bcast(ok, _ir.VectorType(_ir.IntType(1), L)),
+                                                builder.fcmp_ordered(">", x, mv))
+                            mv = builder.select(take, x, mv)
+                        builder.store(mv, mp, align=4)
                 return context.get_dummy_value()
 
-            return types.void(A, a_rs, a_cs, i0, B, c0, C, nk, init), codegen
+            return types.void(A, a_rs, a_cs, i0, B, c0, C, nk, init, rsc, sc, mx, imax), codegen
         return intrinsic(typer)
 
     _g1, _g2, _g3, _g4 = (_make_gemm(nv) for nv in (1, 2, 3, 4))
     _h1, _h2, _h3, _h4 = (_make_gemm(nv, 6) for nv in (1, 2, 3, 4))
 
     @overload(gemm4)
-    def _gemm4_ov(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init):
-        def impl(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init):
+    def _gemm4_ov(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init, rsc, sc, mx, imax):
+        def impl(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init, rsc, sc, mx, imax):
             if nv >= 4:
-                _g4(A, a_rs, a_cs, i0, B, c0, C, nk, init)
+                _g4(A, a_rs, a_cs, i0, B, c0, C, nk, init, rsc, sc, mx, imax)
             elif nv == 3:
-                _g3(A, a_rs, a_cs, i0, B, c0, C, nk, init)
+                _g3(A, a_rs, a_cs, i0, B, c0, C, nk, init, rsc, sc, mx, imax)
             elif nv == 2:
-                _g2(A, a_rs, a_cs, i0, B, c0, C, nk, init)
+                _g2(A, a_rs, a_cs, i0, B, c0, C, nk, init, rsc, sc, mx, imax)
             else:
-                _g1(A, a_rs, a_cs, i0, B, c0, C, nk, init)
+                _g1(A, a_rs, a_cs, i0, B, c0, C, nk, init, rsc, sc, mx, imax)
         return impl
 
     @overload(gemm_strip)
-    def _gemm_strip_ov(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init):
-        def impl(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init):
+    def _gemm_strip_ov(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init, rsc, sc, mx, imax):
+        def impl(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init, rsc, sc, mx, imax):
             i6 = i0 + (i1 - i0) // 12 * 12        # blocks of 6 rows up to here: the rest, a multiple of 4
             if nv >= 4:
                 for i in range(i0, i6, 6):
-                    _h4(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                    _h4(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
                 for i in range(i6, i1, MR):
-                    _g4(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                    _g4(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
             elif nv == 3:
                 for i in range(i0, i6, 6):
-                    _h3(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                    _h3(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
                 for i in range(i6, i1, MR):
-                    _g3(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                    _g3(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
             elif nv == 2:
                 for i in range(i0, i6, 6):
-                    _h2(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                    _h2(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
                 for i in range(i6, i1, MR):
-                    _g2(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                    _g2(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
             else:
                 for i in range(i0, i6, 6):
-                    _h1(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                    _h1(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
                 for i in range(i6, i1, MR):
-                    _g1(A, a_rs, a_cs, i, B, c0, C, nk, init)
+                    _g1(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
         return impl
+
+
+def transpose16(qf, off, d0, QT, r0):
+    """QT[d0 + j, r0 + k] = qf[off[k] + d0 + j] for j, k < 16: a 16 x 16 block of the multi-query kernel's q
+    tile, transposed (exact copies). float32 qf and QT: sixteen 16-lane row loads, a 4-stage shuffle network in
+    registers, sixteen row stores (the element loop stores 16 scattered lines per source row); other dtypes:
+    the element loop. The caller keeps every touched element inside the arrays."""
+    for j in range(16):
+        row = QT[d0 + j]
+        for k in range(16):
+            row[r0 + k] = qf[off[k] + d0 + j]
+
+
+if JIT:
+    _transpose16_loop = __import__("numba").njit(cache=True)(transpose16)
+
+    @intrinsic
+    def _transpose16_ir(typingctx, qf, off, d0, QT, r0):
+        if not (isinstance(qf, types.Array) and isinstance(QT, types.Array) and qf.dtype == types.float32
+                and QT.dtype == types.float32 and isinstance(off, types.Array) and off.dtype == types.int64):
+            return None
+
+        def codegen(context, builder, sig, args):
+            d0_, r0_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 4))
+            src = context.make_array(sig.args[0])(context, builder, args[0]).data
+            offs = context.make_array(sig.args[1])(context, builder, args[1]).data
+            q_data, q_cols = _data_and_cols(context, builder, sig.args[3], args[3])
+            vt = _ir.VectorType(_ir.FloatType(), 16)
+            rows = []
+            for k in range(16):
+                o = builder.add(builder.load(builder.gep(offs, [_ir.Constant(_I64, k)])), d0_)
+                rows.append(builder.load(builder.bitcast(builder.gep(src, [o]), vt.as_pointer()), align=4))
+            for bit in (1, 2, 4, 8):       # swap bit `bit` of the row index with the same bit of the lane index
+                new = list(rows)
+                for a in range(16):
+                    if a & bit:
+                        continue
+                    b = a | bit
+                    lo = [j if not j & bit else 16 + (j ^ bit) for j in range(16)]    # a[j] or b[j ^ bit]
+                    hi = [(j | bit) if not j & bit else 16 + j for j in range(16)]    # a[j | bit] or b[j]
+                    new[a] = builder.shuffle_vector(rows[a], rows[b], _ir.Constant(_ir.VectorType(_I32, 16), lo))
+                    new[b] = builder.shuffle_vector(rows[a], rows[b], _ir.Constant(_ir.VectorType(_I32, 16), hi))
+                rows = new
+            for j in range(16):
+                p = builder.gep(q_data, [builder.add(builder.mul(builder.add(d0_, _ir.Constant(_I64, j)), q_cols),
+                                                     r0_)])
+                builder.store(rows[j], builder.bitcast(p, vt.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(qf, off, d0, QT, r0), codegen
+
+    @overload(transpose16)
+    def _transpose16_ov(qf, off, d0, QT, r0):
+        if qf.dtype == types.float32 and QT.dtype == types.float32:
+            return lambda qf, off, d0, QT, r0: _transpose16_ir(qf, off, d0, QT, r0)
+        return lambda qf, off, d0, QT, r0: _transpose16_loop(qf, off, d0, QT, r0)

@@ -8,8 +8,9 @@ query heads of one kv head h: rows r = t*G + g (token-major). Per tile, keys are
     Kb [nb, D] <- the block's K rows (widened by the format's loader, `loaders.block_rows`), ST [nb, R] = Kb @ QT
     (QT [D, R]: the tile's queries, transposed once per tile; accumulated in float32 in chunks of 32 steps of
     head_dim (`gemm.KCHUNK`), or in float64 for precision="highest": every product exact, each score rounded once
-    into ST; the scale is applied to the dot products), the online softmax runs down ST's columns (one per row: the max, exp and sum vectorise over
-    rows), O [R, Dv] += P @ Vb with P read as ST transposed.
+    into ST; the scale is applied to the dot products, and the block's column maxima taken, in the GEMM's
+    epilogue), the online softmax runs down ST's columns (one per row: exp and sum vectorise over rows),
+    O [R, Dv] = alpha * O + P @ Vb with P read as ST transposed (alpha applied as the GEMM loads O).
 
 Both products go through `gemm.gemm_strip` (6- then 4-row x up to 64-column register blocks; the column
 strip outermost, so QT's / Vb's strip stays in L1 while the other operand streams), and the next block's K / V
@@ -27,7 +28,7 @@ occupy consecutive slots in key order, their number in `item_parts`.
 import numpy as np
 from numba import njit, prange
 
-from .gemm import MR, gemm_strip
+from .gemm import COLMAX, FRESH, MR, RESCALE, SCALE, gemm_strip, transpose16
 from .loaders import block_rows
 from .simd import EXP_FLAGS, FAST, JIT, exp_inline, prefetch_lines
 from .units import merge_rows
@@ -50,7 +51,10 @@ def _load_tile(q, i0, nt, h, G, QT, Rp):
         for k in range(n):
             t = (r0 + k) // G
             off[k] = ((i0 + t) * Hq + h * G + r0 + k - t * G) * D
-        for d in range(D):
+        d16 = D - D % 16 if n == 16 else 0
+        for d0 in range(0, d16, 16):        # whole 16 x 16 blocks in registers
+            transpose16(qf, off, d0, QT, r0)
+        for d in range(d16, D):
             row = QT[d]
             for k in range(n):
                 row[r0 + k] = qf[off[k] + d]
@@ -96,7 +100,7 @@ def _prefetch_block(pool, pages, h, b0, nb):
         t += s1 - s0
 
 
-def _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
+def _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx):
     """ST[:nb] = K rows b0..b0+nb-1 of kv head h @ QT[:, :Rp], through the widened copy Kb (rows up to nb rounded
     up to MR: zero)."""
     D = QT.shape[0]
@@ -105,7 +109,7 @@ def _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
     c = 0
     while c < Rp:            # a column strip of QT stays in L1 while the key rows stream past it
         nv = min(4, (Rp - c) // LK)
-        gemm_strip(Kb, D, 1, 0, nbp, QT, c, ST, D, nv, 1)
+        gemm_strip(Kb, D, 1, 0, nbp, QT, c, ST, D, nv, flags, mx, sc, mx, nb)
         c += nv * LK
 
 
@@ -118,7 +122,7 @@ def _page_piece(pages, P, t, left):
     return pages[pg], s0, min(P - s0, left)
 
 
-def _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
+def _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx):
     """`_scores_copied` with the score GEMM reading the pool's rows in place, page by page (pages already in the
     accumulation dtype: float32 pages, float32 q.k): no copy. A page's piece is rounded up to MR rows inside the
     page (rows past the piece: scores never read; the next piece overwrites them), or, where that would leave
@@ -133,15 +137,15 @@ def _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
             row, s0, n = _page_piece(pages, P, b0 + j, nb - j)
             n4 = -(-n // MR) * MR
             if s0 + n4 <= P:
-                gemm_strip(k_pages[row, h, s0:], D, 1, 0, n4, QT, c, ST[j:], D, nv, 1)
+                gemm_strip(k_pages[row, h, s0:], D, 1, 0, n4, QT, c, ST[j:], D, nv, flags, mx, sc, mx, n)
             else:
                 _copy_block(k_pages, k_scales, pages, h, b0 + j, n, Kb, st)
-                gemm_strip(Kb, D, 1, 0, n4, QT, c, ST[j:], D, nv, 1)
+                gemm_strip(Kb, D, 1, 0, n4, QT, c, ST[j:], D, nv, flags, mx, sc, mx, n)
             j += n
         c += nv * LK
 
 
-def _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
+def _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha):
     """O[:Rp] += ST[:nb, :Rp]^T @ V rows b0..b0+nb-1 of kv head h, through the widened copy Vb."""
     Dvp = Vb.shape[1]
     _copy_block(v_pages, v_scales, pages, h, b0, nb, Vb, st)
@@ -149,11 +153,11 @@ def _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
     c = 0
     while c < Dvp:           # a column strip of Vb stays in L1 while the rows of P stream past it
         nv = min(4, (Dvp - c) // L)
-        gemm_strip(ST, 1, st_cols, 0, Rp, Vb, c, O, nb, nv, 0)
+        gemm_strip(ST, 1, st_cols, 0, Rp, Vb, c, O, nb, nv, flags, alpha, 1.0, alpha, 0)
         c += nv * L
 
 
-def _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
+def _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha):
     """`_values_copied` with the PV GEMM reading the pool's rows in place, page by page (float32 pages, or float16
     / bfloat16 bits widened as loaded; head_dim_v a multiple of the lanes): no copy. Each output element is the
     same FMA chain over the keys in order (bitwise the same as through the copy)."""
@@ -165,26 +169,28 @@ def _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
         j = 0
         while j < nb:
             row, s0, n = _page_piece(pages, P, b0 + j, nb - j)
-            gemm_strip(ST[j:], 1, st_cols, 0, Rp, v_pages[row, h, s0:], c, O, n, nv, 0)
+            gemm_strip(ST[j:], 1, st_cols, 0, Rp, v_pages[row, h, s0:], c, O, n, nv, flags if j == 0 else 0,
+                       alpha, 1.0, alpha, 0)
             j += n
 
 
-def score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
+def score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx):
     """ST[:nb, :Rp] = the block's K rows @ QT: in place for pages in the accumulation dtype, else through Kb."""
-    if k_scales is None and k_pages.dtype == QT.dtype:
-        _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK)
+    if k_scales is None and (k_pages.dtype == QT.dtype or (
+            QT.dtype == np.float32 and k_pages.dtype in (np.uint16, np.int16))):
+        _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx)
     else:
-        _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK)
+        _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx)
 
 
-def value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
+def value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha):
     """O[:Rp] += ST[:nb, :Rp]^T @ the block's V rows: in place for float pages (the compute dtype's, or float16 /
     bfloat16 bits under float32 compute; head_dim_v a multiple of the lanes), else through Vb."""
     if v_scales is None and v_pages.shape[3] % L == 0 and (v_pages.dtype == O.dtype or (
             O.dtype == np.float32 and v_pages.dtype in (np.uint16, np.int16))):
-        _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
+        _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha)
     else:
-        _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
+        _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha)
 
 
 if JIT:
@@ -198,56 +204,47 @@ if JIT:
         return x is None or isinstance(x, (types.NoneType, types.Omitted))
 
     @overload(score_block, inline="always")
-    def _score_block_ov(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK):
-        if _none(k_scales) and k_pages.dtype == QT.dtype:
-            return lambda k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK: _scores_direct(
-                k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK)
-        return lambda k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK: _scores_copied(
-            k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK)
+    def _score_block_ov(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx):
+        if _none(k_scales) and (k_pages.dtype == QT.dtype or (QT.dtype == types.float32 and k_pages.dtype in (
+                types.uint16, types.int16))):
+            return lambda k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx: _scores_direct(
+                k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx)
+        return lambda k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx: _scores_copied(
+            k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx)
 
     @overload(value_block, inline="always")
-    def _value_block_ov(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
+    def _value_block_ov(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha):
         if _none(v_scales) and (v_pages.dtype == O.dtype or (O.dtype == types.float32 and v_pages.dtype in (
                 types.uint16, types.int16))):
-            def impl(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L):
+            def impl(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha):
                 if v_pages.shape[3] % L == 0:
-                    _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
+                    _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha)
                 else:
-                    _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
+                    _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha)
             return impl
-        return lambda v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L: _values_copied(
-            v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
+        return lambda v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha: _values_copied(
+            v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha)
 
 
 @njit(cache=True, fastmath=EXP_FLAGS)
-def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi, neg):
-    """Online softmax over the block's dot products ST[:nb, :Rp] (column r = row r of the tile, key b0 + j):
-    scores = dots * sc (the scale applied after the dot, as a plain computation does), new running max m,
-    alpha = exp(old max - new max), l = alpha * l + sum of weights, ST <- weights (exactly 0 where masked).
-    Every loop runs down the rows r (contiguous, no reduction across lanes) so that it vectorises: selects, not
-    max() or branches, and the exp inlined. jlo / jhi: int32 scratch [>= Rp] (row r sees block keys
-    jlo[r]..jhi[r]); neg: NEG in the compute dtype."""
+def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg):
+    """Online softmax over the block's scores ST[:nb, :Rp] (column r = row r of the tile, key b0 + j; already
+    scaled by the score GEMM, and unless ``masked`` alpha[r] already holds max(m[r], the block's column max)):
+    new running max m, alpha = exp(old max - new max), l = alpha * l + sum of weights, ST <- weights (exactly 0
+    where masked). Every loop runs down the rows r (contiguous, no reduction across lanes) so that it
+    vectorises: selects, not max() or branches, and the exp inlined. jlo / jhi: int32 scratch [>= Rp] (row r
+    sees block keys jlo[r]..jhi[r]); neg: NEG in the compute dtype."""
     z = neg - neg
-    for r in range(Rp):
-        alpha[r] = m[r]
     if masked:
         for r in range(Rp):
+            alpha[r] = m[r]
             jlo[r] = max(-1, min(nb, rlo[r] - b0))
             jhi[r] = max(-1, min(nb, rpos[r] - b0))
         for j in range(nb):
             row = ST[j]
             for r in range(Rp):
-                x = row[r] * sc
-                row[r] = x
+                x = row[r]
                 x = x if (j >= jlo[r]) & (j <= jhi[r]) else neg
-                a = alpha[r]
-                alpha[r] = x if x > a else a
-    else:
-        for j in range(nb):
-            row = ST[j]
-            for r in range(Rp):
-                x = row[r] * sc
-                row[r] = x
                 a = alpha[r]
                 alpha[r] = x if x > a else a
     for r in range(Rp):          # alpha holds the new max here
@@ -307,18 +304,16 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
         nb = b1 - b0
         nxt = min(hi, b1 + block) - b1
         _prefetch_block(k_pages, pages, h, b1, nxt)
-        score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK)
         masked = (b1 - 1 > rpos[0]) | (b0 < rlo[R - 1])
-        _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, sc, m, l, alpha, jlo, jhi, neg)
-        if b0 > lo:              # O is still zero after the first block: no rescale
+        if not masked:           # the score GEMM folds the block's column maxima into alpha (from m)
             for r in range(Rp):
-                a = alpha[r]
-                if a != 1.0:
-                    row = O[r]
-                    for d in range(Dvp):
-                        row[d] *= a
+                alpha[r] = m[r]
+        score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK,
+                    FRESH | SCALE | (0 if masked else COLMAX), sc, alpha)
+        _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg)
         _prefetch_block(v_pages, pages, h, b1, nxt)
-        value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L)
+        value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L,
+                    RESCALE if b0 > lo else 0, alpha)       # O is still zero after the first block: no rescale
         b0 = b1
 
 

@@ -63,14 +63,14 @@ def balance(costs, nchunks):
 
 @njit(cache=True)
 def cut_ranges(lo, hi, split):
-    """Cut each owner's key range [lo[o], hi[o]) at absolute multiples of `split` (split <= 0: never).
+    """Cut each owner's key range [lo[o], hi[o]) at absolute multiples of `split[o]` (<= 0: never).
     Returns pieces [U, 4] = (owner, a, b, workspace slot or -1 when the range is one piece), in owner order and
     key order within an owner, items [n_split, 3] = (owner, first slot, number of pieces) and the number of
     slots (a cut range's pieces occupy consecutive slots in key order)."""
     U = 0
     n_items = 0
     for o in range(lo.shape[0]):
-        n = parts(lo[o], hi[o], split)
+        n = parts(lo[o], hi[o], split[o])
         U += n
         n_items += n > 1
     pieces = np.empty((U, 4), np.int64)
@@ -79,14 +79,14 @@ def cut_ranges(lo, hi, split):
     w = 0
     it = 0
     for o in range(lo.shape[0]):
-        n = parts(lo[o], hi[o], split)
+        n = parts(lo[o], hi[o], split[o])
         if n > 1:
             items[it, 0] = o
             items[it, 1] = w
             items[it, 2] = n
             it += 1
         for j in range(n):
-            a, b = piece(lo[o], hi[o], split, j, n)
+            a, b = piece(lo[o], hi[o], split[o], j, n)
             pieces[u, 0] = o
             pieces[u, 1] = a
             pieces[u, 2] = b
@@ -107,14 +107,15 @@ def plan_units(query_pos, window, split, nchunks):
     lo = np.zeros_like(hi)
     if window > 0:
         lo = np.maximum(hi - window, 0)
-    units, items, w = cut_ranges(lo, hi, split)
+    units, items, w = cut_ranges(lo, hi, np.full(lo.shape[0], split, np.int64))
     return units, balance(units[:, 2] - units[:, 1] + 16, nchunks), items, w
 
 
 @njit(cache=True)
-def plan_tiles(runs, num_kv_heads, G, window, tokens, split, nchunks):
+def plan_tiles(runs, num_kv_heads, G, window, tokens, split, nchunks, min_tiles):
     """Tiled units: every (run, kv head, tile of <= `tokens` queries), its key range cut at absolute multiples of
-    `split` tokens (`cut_ranges`, a unit per piece), balanced over `nchunks` chunks by cost (rows x keys +
+    `split` tokens (`cut_ranges`, a unit per piece) unless the run has `min_tiles` (> 0) or more tiles per kv
+    head (then every thread has whole tiles to take: a cut would only add a merge), balanced over `nchunks` chunks by cost (rows x keys +
     64 x rows). Head-major within a run: a kv head's tiles are consecutive (they read the same K/V prefix, which
     stays in L2 from one tile to the next), and with as many heads as chunks, or a multiple, every chunk holds
     the same mix of short and long tiles whatever the cost model's error (the token-major order put the short
@@ -128,9 +129,11 @@ def plan_tiles(runs, num_kv_heads, G, window, tokens, split, nchunks):
     tiles = np.empty((n, 4), np.int64)            # (run, kv head, first token, tokens) of every tile
     lo = np.empty(n, np.int64)
     hi = np.empty(n, np.int64)
+    cut_at = np.empty(n, np.int64)
     o = 0
     for run in range(runs.shape[0]):
         p0 = runs[run, 3]
+        whole = min_tiles > 0 and -(-runs[run, 2] // tokens) >= min_tiles
         for h in range(num_kv_heads):
             for t0 in range(0, runs[run, 2], tokens):
                 nt = min(tokens, runs[run, 2] - t0)
@@ -140,8 +143,9 @@ def plan_tiles(runs, num_kv_heads, G, window, tokens, split, nchunks):
                 tiles[o, 3] = nt
                 lo[o] = max(0, p0 + t0 - window + 1) if window > 0 else 0
                 hi[o] = p0 + t0 + nt
+                cut_at[o] = 0 if whole else split
                 o += 1
-    pieces, cut, w = cut_ranges(lo, hi, split)
+    pieces, cut, w = cut_ranges(lo, hi, cut_at)
     units = np.empty((pieces.shape[0], 7), np.int64)
     units[:, :4] = tiles[pieces[:, 0]]
     units[:, 4:] = pieces[:, 1:]
