@@ -41,6 +41,7 @@ PARALLEL_QUERIES = 256
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
 _NO_Q = np.zeros(0, dtype=np.float32)
 _TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+_PLAIN = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}   # storage -> same dtype
 
 
 class ForwardPlan:
@@ -191,11 +192,15 @@ class ForwardPlan:
     def _write(self, layer: int, key, value) -> None:
         """Every row's real new K/V into the transaction (checked: finite above; the pool casts to its storage and
         refuses values that overflow it)."""
-        bits = self.pool.config.storage == "bfloat16"
+        storage = self.pool.config.storage
+        bits = storage == "bfloat16"
         if self.one_each:                                                      # k, v [B, H, D]: one write
             k_bits, v_bits = bits and key.dtype == torch.bfloat16, bits and value.dtype == torch.bfloat16
             k, v = layer_tensors.token_rows(key, k_bits), layer_tensors.token_rows(value, v_bits)
-            if not (k_bits and v_bits):
+            # already checked (`_check_layer`: shapes, finite; no padding in a decode step) and in the pool's own
+            # float dtype: nothing for the pool's check to cast or refuse
+            same = _PLAIN.get(storage) is key.dtype and key.dtype is value.dtype
+            if not (k_bits and v_bits) and not same:
                 k, v = self.pool.pool.check_kv(k, v, self.batch, layered=False)
             self.tx.write(layer, k, v)
             return

@@ -7,7 +7,7 @@ wraparound select) and vectorises them."""
 from numba import njit
 
 from .bf16_dot import dot14_bf, dot44_bf
-from .simd import FAST, JIT, dot14, dot44, exp, ld, pv1, pv4
+from .simd import FAST, JIT, dot14, dot44, exp, lane_max, lane_sum, ld, pv1, pv4
 
 
 @njit(cache=True, fastmath=FAST)
@@ -147,9 +147,7 @@ def softmax_block(S, nb, m, l, acc, first, scale):
     Dv = acc.shape[1]
     for g in range(G):
         Sg = S[g]
-        mb = Sg[0]
-        for c in range(1, nb):
-            mb = max(mb, Sg[c])
+        mb = lane_max(Sg, nb)
         ag = acc[g]
         z = mb - mb
         if first:
@@ -170,31 +168,6 @@ def softmax_block(S, nb, m, l, acc, first, scale):
             Sg[c] = exp((Sg[c] - mg) * scale)
         m[g] = mg
         l[g] = lg + lane_sum(Sg, nb)
-
-
-@njit(cache=True, fastmath=FAST, inline="always")
-def lane_sum(x, n):
-    """x[0] + ... + x[n-1] in a fixed order that vectorises without fastmath's reassociation: eight running sums
-    (lane j takes x[j], x[j + 8], ...), added pairwise, then the last n % 8 in order. The kernels compile without
-    `reassoc` (`simd.FAST`), so a plain running sum would stay scalar, and with it its loop's exp."""
-    z = x[0] - x[0]
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = z
-    c = 0
-    while c + 8 <= n:
-        a0 += x[c]
-        a1 += x[c + 1]
-        a2 += x[c + 2]
-        a3 += x[c + 3]
-        a4 += x[c + 4]
-        a5 += x[c + 5]
-        a6 += x[c + 6]
-        a7 += x[c + 7]
-        c += 8
-    s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
-    while c < n:
-        s += x[c]
-        c += 1
-    return s
 
 
 @njit(cache=True)

@@ -15,7 +15,7 @@ from numba import njit, prange
 from .bf16_dot import q_buffers, split_query
 from .blocks import load_heads, normalise, softmax_block, unit_range
 from .loaders import score_rows, tile_scales, value_rows
-from .simd import FAST, prefetch_lines
+from .simd import FAST, borrow, prefetch_lines
 from .units import merge_rows
 
 GROUP = 32          # values per int8 scale group (the width of a scale row: ceil(width / GROUP))
@@ -81,6 +81,10 @@ def attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages,
     running sum l [num_kv_heads, G] and unnormalised output acc [num_kv_heads, G, head_dim_v]. Keys are taken
     `block` at a time (a multiple of page_size, aligned to absolute positions): the scores of the block
     (`walk_block` over K), the softmax update per head, then the values (`walk_block` over V)."""
+    qs, qb, qf, k_pages, v_pages, k_scales, v_scales = (borrow(qs), borrow(qb), borrow(qf), borrow(k_pages),
+                                                         borrow(v_pages), borrow(k_scales), borrow(v_scales))
+    pages, S, m, l, acc, st, kt, vt = (borrow(pages), borrow(S), borrow(m), borrow(l), borrow(acc), borrow(st),
+                                       borrow(kt), borrow(vt))
     P = k_pages.shape[2]
     H = k_pages.shape[1]
     RC = 16 if qs.shape[1] >= 8 else min(16, max(4, 4096 // (k_pages.shape[3] * k_pages.itemsize)))
