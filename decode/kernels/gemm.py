@@ -16,9 +16,7 @@ running max after q.K^T. Each is the same one rounding as the separate pass it r
 dtype; a max), so the results are bitwise those of the passes.
 
 A (any 2-D C-contiguous array, addressed flat with element strides a_rs / a_cs, so the same block serves A and
-A transposed) and B [nk.., cols] C-contiguous arrays of the accumulation dtype (A's = B's; or one of them
-float16 / bfloat16 bits, uint16 / int16, under float32 accumulation: widened exactly as loaded, A's elements as
-they are broadcast: the score GEMM reads 16-bit K pages in place), C [rows, cols]
+A transposed) and B [nk.., cols] C-contiguous arrays of the accumulation dtype (A's = B's), C [rows, cols]
 C-contiguous, float32 or float64: float32 C with float64 A / B accumulates in float64 and rounds once into C
 (the multi-query kernel's exact scores). LANES = 16 for float32, 8 for float64 accumulation; nv in 1..4. A
 block's mr x nv accumulators (mr = 6: 24 of the 32 zmm registers) stay in registers over the whole k loop: per
@@ -102,20 +100,17 @@ if JIT:
     def _make_gemm(nv, mr=MR):
         def typer(typingctx, A, a_rs, a_cs, i0, B, c0, C, nk, init, rsc, sc, mx, imax):
             if not (isinstance(A, types.Array) and isinstance(B, types.Array) and isinstance(C, types.Array)
-                    and isinstance(B.dtype if A.dtype in _WIDENED else A.dtype, types.Float)
-                    and isinstance(C.dtype, types.Float)
-                    and C.dtype.bitwidth <= (B.dtype if A.dtype in _WIDENED else A.dtype).bitwidth
-                    and (A.dtype == B.dtype or (A.dtype == types.float32 and B.dtype in _WIDENED)
-                         or (A.dtype in _WIDENED and B.dtype == types.float32))
+                    and isinstance(A.dtype, types.Float) and isinstance(C.dtype, types.Float)
+                    and C.dtype.bitwidth <= A.dtype.bitwidth
+                    and (A.dtype == B.dtype or (A.dtype == types.float32 and B.dtype in _WIDENED))
                     and isinstance(rsc, types.Array) and rsc.dtype == C.dtype
                     and isinstance(mx, types.Array) and mx.dtype == C.dtype and isinstance(sc, types.Number)):
                 return None
 
             def codegen(context, builder, sig, args):
                 aty, bty, cty = sig.args[0], sig.args[4], sig.args[6]
-                cdt = bty.dtype if aty.dtype in _WIDENED else aty.dtype         # the accumulation dtype
-                L = 8 if cdt == types.float64 else 16
-                vt = _ir.VectorType(context.get_value_type(cdt), L)
+                L = 8 if aty.dtype == types.float64 else 16
+                vt = _ir.VectorType(context.get_value_type(aty.dtype), L)
                 ct = _ir.VectorType(context.get_value_type(cty.dtype), L)      # C's vectors (narrower: rounded)
                 narrow = ct != vt
                 rs, cs, i0_, c0_, nk_ = (context.cast(builder, args[i], sig.args[i], types.int64)
@@ -177,12 +172,7 @@ if JIT:
                                        L, vt) for v in range(nv)]
                         koff = builder.mul(k, cs)
                         for a in range(mr):
-                            if aty.dtype in _WIDENED:          # a 16-bit element widened exactly (`vload_ir`)
-                                x = builder.extract_element(
-                                    vload_ir(context, builder, builder.gep(a_rows[a], [koff]), aty.dtype, 1,
-                                             _ir.VectorType(vt.element, 1)), _ir.Constant(_I32, 0))
-                            else:
-                                x = builder.load(builder.gep(a_rows[a], [koff]))
+                            x = builder.load(builder.gep(a_rows[a], [koff]))
                             xv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), x,
                                                                                _ir.Constant(_I32, 0)),
                                                         _ir.Constant(vt, None), splat)

@@ -176,8 +176,7 @@ def _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, fl
 
 def score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx):
     """ST[:nb, :Rp] = the block's K rows @ QT: in place for pages in the accumulation dtype, else through Kb."""
-    if k_scales is None and (k_pages.dtype == QT.dtype or (
-            QT.dtype == np.float32 and k_pages.dtype in (np.uint16, np.int16))):
+    if k_scales is None and k_pages.dtype == QT.dtype:
         _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx)
     else:
         _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx)
@@ -205,8 +204,7 @@ if JIT:
 
     @overload(score_block, inline="always")
     def _score_block_ov(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx):
-        if _none(k_scales) and (k_pages.dtype == QT.dtype or (QT.dtype == types.float32 and k_pages.dtype in (
-                types.uint16, types.int16))):
+        if _none(k_scales) and k_pages.dtype == QT.dtype:
             return lambda k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx: _scores_direct(
                 k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx)
         return lambda k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx: _scores_copied(
