@@ -22,6 +22,7 @@ from decode.distributed import DecoderPool, ShardedDecoder, start_local_ray, sto
 from kvcache import KVCache  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE = 8, 2, 64, 16
+CALL_TIMEOUT_S = 600.0      # worker call timeout: a first call may compile cold while CI's other stages share the cores
 ARGS = dict(num_q_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype="float32", page_size=PAGE)
 
 
@@ -42,7 +43,7 @@ def rounds(quick):
 
 @pytest.fixture(scope="module")
 def two_workers():
-    with ShardedDecoder(workers=2, shard="heads", max_tokens=64, **ARGS) as dec:
+    with ShardedDecoder(workers=2, shard="heads", max_tokens=64, timeout=CALL_TIMEOUT_S, **ARGS) as dec:
         yield dec
 
 
@@ -73,7 +74,7 @@ def test_step(benchmark, quick, impl, length):
     single = Decoder(**ARGS, max_tokens=capacity)
     prompt = _tokens(rng, length)
     single.append(*prompt[1:])
-    dec = single if impl == "single" else ShardedDecoder(workers=2, shard=impl, max_tokens=capacity, **ARGS)
+    dec = single if impl == "single" else ShardedDecoder(workers=2, shard=impl, max_tokens=capacity, timeout=CALL_TIMEOUT_S, **ARGS)
     try:
         if dec is not single:
             for start in range(0, length, 4096):                         # the prompt in pieces (object store)
@@ -109,7 +110,7 @@ def test_batch_step(benchmark, quick, impl):
     batch, length = 8, 64 if quick else 1024
     cache = KVCache(num_kv_heads=KV_HEADS, head_dim=DIM, page_size=PAGE, max_tokens=batch * (length + PAGE))
     singles = [Decoder.on_cache(cache, HEADS) for _ in range(batch)]
-    pool = DecoderPool(workers=2, max_tokens=batch * (length + PAGE), **ARGS) if impl == "pool" else None
+    pool = DecoderPool(workers=2, max_tokens=batch * (length + PAGE), timeout=CALL_TIMEOUT_S, **ARGS) if impl == "pool" else None
     try:
         seqs = singles if pool is None else [pool.new_sequence() for _ in range(batch)]
         for s, d in zip(seqs, singles):

@@ -11,7 +11,7 @@ from decode import Decoder  # noqa: E402
 from decode.distributed import DecoderPool, ShardedDecoder, start_local_ray, stop_local_ray  # noqa: E402
 from kvcache import KVCache  # noqa: E402
 
-from .workload import MAX_FORKS, Workload  # noqa: E402
+from .workload import CALL_TIMEOUT_S, MAX_FORKS, Workload  # noqa: E402
 
 PAGE, MAX_TOKENS = 4, 64
 
@@ -51,7 +51,7 @@ def run_sharded(shard, workers, kind, dtype, layers, operations, seed):
     # room for MAX_FORKS diverged sequences of up to MAX_TOKENS in the single pool and in every worker's pool
     # (context ranges stay MAX_TOKENS / workers: forks that diverge copy pages inside each worker's range)
     room = MAX_FORKS * MAX_TOKENS
-    with ShardedDecoder(workers=workers, shard=shard, pages_per_worker=room // PAGE, **args) as sharded:
+    with ShardedDecoder(timeout=CALL_TIMEOUT_S, workers=workers, shard=shard, pages_per_worker=room // PAGE, **args) as sharded:
         counts = Workload(rng, [(sharded, Decoder(**dict(args, max_tokens=room)))], exact=shard == "heads",
                           max_length=MAX_TOKENS).run(operations)
     assert len(counts) >= 4, counts                                # a mixed workload ran
@@ -74,7 +74,7 @@ def run_pool(workers, kind, dtype, layers, operations, seed):
     total = 2 * MAX_TOKENS * workers                   # room for 4 sequences of MAX_TOKENS / 2 on one worker
     cache = KVCache(num_kv_heads=args["num_kv_heads"], head_dim=args["head_dim"], dtype=dtype, page_size=PAGE,
                     max_tokens=total, num_layers=layers)
-    with DecoderPool(workers=workers, **dict(args, max_tokens=total)) as pool:
+    with DecoderPool(timeout=CALL_TIMEOUT_S, workers=workers, **dict(args, max_tokens=total)) as pool:
         pairs = [(pool.new_sequence(), Decoder.on_cache(cache, args["num_q_heads"])) for _ in range(workers)]
         assert [p[0].worker for p in pairs] == list(range(workers))          # spread over the workers
         work = Workload(rng, pairs, exact=True, max_length=MAX_TOKENS // 2, pool=pool, max_pairs=workers + 2)
@@ -98,7 +98,7 @@ def test_pool_equals_single_process_full_grid(workers, kind, dtype, layers):
 
 def test_fork_stays_on_its_parents_worker_and_batch_rows_keep_their_order():
     args = settings("GQA", "float32", 1)
-    with DecoderPool(workers=2, **args) as pool:
+    with DecoderPool(timeout=CALL_TIMEOUT_S, workers=2, **args) as pool:
         a, b = pool.new_sequence(), pool.new_sequence()
         assert (a.worker, b.worker) == (0, 1)
         c = b.fork()
@@ -144,7 +144,7 @@ def test_bad_input_raises_the_single_process_error_and_changes_nothing(shard):
     args = settings("GQA", "float16", 1)
     rng = np.random.default_rng(5)
     q, k, v = rng.standard_normal((4, 8)), rng.standard_normal((2, 8)), rng.standard_normal((2, 8))
-    with ShardedDecoder(workers=2, shard=shard, **args) as sharded:
+    with ShardedDecoder(timeout=CALL_TIMEOUT_S, workers=2, shard=shard, **args) as sharded:
         single = Decoder(**args)
         for d in (sharded, single):
             d.extend(*(rng.standard_normal((6,) + s) for s in ((4, 8), (2, 8), (2, 8))))
@@ -156,7 +156,7 @@ def test_bad_input_raises_the_single_process_error_and_changes_nothing(shard):
         assert sharded.worker_states() == before
         # multi-layer transactions: the errors of DecoderTransaction, and everything rolled back
         layered = dict(args, num_layers=2)
-        with ShardedDecoder(workers=2, shard=shard, **layered) as sharded2:
+        with ShardedDecoder(timeout=CALL_TIMEOUT_S, workers=2, shard=shard, **layered) as sharded2:
             single2 = Decoder(**layered)
             before = sharded2.worker_states()
             for label, body in [("layer out of range", lambda tx: tx.step(2, q, k, v)),
@@ -174,14 +174,14 @@ def test_bad_input_raises_the_single_process_error_and_changes_nothing(shard):
 def test_configuration_errors():
     args = settings("GQA", "float32", 1)
     with pytest.raises(ValueError, match="workers: expected at most num_kv_heads=2 workers for shard='heads', got 3"):
-        ShardedDecoder(workers=3, shard="heads", **args)
+        ShardedDecoder(timeout=CALL_TIMEOUT_S, workers=3, shard="heads", **args)
     with pytest.raises(ValueError, match="shard: expected 'heads' or 'context', got 'rows'"):
-        ShardedDecoder(workers=2, shard="rows", **args)
+        ShardedDecoder(timeout=CALL_TIMEOUT_S, workers=2, shard="rows", **args)
     with pytest.raises(ValueError, match="window: expected None with shard='context'"):
-        ShardedDecoder(workers=2, shard="context", window=8, **args)
+        ShardedDecoder(timeout=CALL_TIMEOUT_S, workers=2, shard="context", window=8, **args)
     for storage in ("int8", "bfloat16"):
         with pytest.raises(ValueError, match="dtype: expected float16, float32 or float64 for decode.distributed"):
-            ShardedDecoder(workers=2, shard="heads", **dict(args, dtype=storage))
+            ShardedDecoder(timeout=CALL_TIMEOUT_S, workers=2, shard="heads", **dict(args, dtype=storage))
     for bad in (dict(num_q_heads=3), dict(dtype="int16"), dict(page_size=0), dict(max_tokens=0)):
         single = error_of(lambda: Decoder(**dict(args, **bad)))
         assert single is not None and error_of(lambda: ShardedDecoder(2, "heads", **dict(args, **bad))) == single
@@ -190,7 +190,7 @@ def test_configuration_errors():
 def test_context_capacity_is_the_sum_of_the_workers_ranges():
     args = settings("GQA", "float32", 1)
     rng = np.random.default_rng(9)
-    with ShardedDecoder(workers=2, shard="context", **dict(args, max_tokens=16)) as sharded:
+    with ShardedDecoder(timeout=CALL_TIMEOUT_S, workers=2, shard="context", **dict(args, max_tokens=16)) as sharded:
         sharded.append(rng.standard_normal((16, 2, 8)), rng.standard_normal((16, 2, 8)))
         states = sharded.worker_states()
         assert [s["free_pages"] for s in states.values()] == [0, 0]          # 8 positions on each worker

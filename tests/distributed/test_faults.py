@@ -21,6 +21,8 @@ from kvcache.errors import InjectedFault  # noqa: E402
 from kvcache.faults import FaultInjector  # noqa: E402
 from kvcache.testing import set_fault_hook  # noqa: E402
 
+from .workload import CALL_TIMEOUT_S  # noqa: E402
+
 ARGS = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4, max_tokens=32)
 BOUND_S = 15.0          # a loss is reported well within this (the timeout test's timeout is 3 s)
 
@@ -44,7 +46,7 @@ class Twin:
 
     def __init__(self, shard, seed=0, **kw):
         self.rng = np.random.default_rng(seed)
-        self.sharded = ShardedDecoder(workers=2, shard=shard, **ARGS, **kw)
+        self.sharded = ShardedDecoder(workers=2, shard=shard, **ARGS, **{"timeout": CALL_TIMEOUT_S, **kw})
         self.single = Decoder(**ARGS)
         self.exact = shard == "heads"
         self.both("extend", *draw(self.rng, 20))
@@ -194,7 +196,7 @@ def test_checkpoint_then_recovery_restores_the_bytes(twin, tmp_path):
 def test_pool_loss_names_the_sequences_and_spares_the_other_worker():
     rng = np.random.default_rng(4)
     cache = KVCache(num_kv_heads=2, head_dim=8, page_size=4, max_tokens=64)
-    with DecoderPool(workers=2, **dict(ARGS, max_tokens=64)) as pool:
+    with DecoderPool(workers=2, timeout=CALL_TIMEOUT_S, **dict(ARGS, max_tokens=64)) as pool:
         seqs = [pool.new_sequence() for _ in range(3)]       # workers 0, 1, 0
         single = [Decoder.on_cache(cache, 4) for _ in range(3)]
         q, k, v = draw(rng, 3)

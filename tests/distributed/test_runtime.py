@@ -13,6 +13,8 @@ from decode.distributed import (NonLoopbackError, ShardedDecoder, check_loopback
                                 start_local_ray, stop_local_ray)
 from decode.distributed import runtime  # noqa: E402
 
+from .workload import CALL_TIMEOUT_S  # noqa: E402
+
 
 @pytest.mark.parametrize("address,loopback", [
     ("127.0.0.1", True), ("127.0.0.1:6379", True), ("127.5.5.5", True), ("::1", True), ("[::1]:8265", True),
@@ -51,7 +53,8 @@ def test_the_environment_keeps_ray_on_loopback(local_ray):
 
 
 def test_a_worker_started_on_the_instance_keeps_to_loopback(local_ray):
-    with ShardedDecoder(workers=2, shard="heads", num_q_heads=2, num_kv_heads=2, head_dim=4) as dec:
+    with ShardedDecoder(workers=2, shard="heads", num_q_heads=2, num_kv_heads=2, head_dim=4,
+                        timeout=CALL_TIMEOUT_S) as dec:
         pids = dec.worker_pids
         listeners = [where for where, _ in runtime.reported_addresses() if "listen" in where]
         assert any(str(pids[0]) in where for where in listeners), listeners   # the worker's own sockets checked
