@@ -162,6 +162,16 @@ def beside_rows(rows: list[dict], kind: str, key: str, verdict_of) -> list[tuple
     return out
 
 
+# kind -> (summary field, verdict, row, target, text when no run measured it): the engine's measures beside its calls
+BESIDE = {
+    "decode": ("engine_frac_walk", walk_verdict, "decode step", WALK_TARGET_TEXT,
+               "the peer runs time no page walk; the full suite's walk table: [Issue 9 targets](#issue-9-targets) "
+               "(the suite run of this document: its date is under Machine and session)"),
+    "batch": ("loop_over_batch", loop_verdict, "batched decode", LOOP_TARGET_TEXT,
+              "not in the peer runs; [Issue 9 targets](#issue-9-targets) (the suite run of this document)"),
+}
+
+
 def target_rows(rows: list[dict], runs: list) -> tuple[list[list[str]], list[str]]:
     """Issue 20's targets table, one row per (target, dtype) the runs measure: [row, target, verdict, figure]; and
     the missed ones as sentences."""
@@ -187,21 +197,13 @@ def target_rows(rows: list[dict], runs: list) -> tuple[list[list[str]], list[str
             if not measured:
                 add(KIND_NAMES[kind], f"faster than {name} at every shape", "not measured",
                     (skipped if peer == "vllm" and skipped else "no such cells in the peer runs"))
-        if kind == "decode":
-            walked = beside_rows(rows, "decode", "engine_frac_walk", walk_verdict)
-            for d, got in walked:
-                add(f"decode step, {d}", WALK_TARGET_TEXT, *got)
-            if not walked:
-                add("decode step", WALK_TARGET_TEXT, "not measured",
-                    "the peer runs time no page walk; the full suite's walk table: [Issue 9 targets](#issue-9-targets) "
-                    "(the suite run of this document: its date is under Machine and session)")
-        if kind == "batch":
-            looped = beside_rows(rows, "batch", "loop_over_batch", loop_verdict)
-            for d, got in looped:
-                add(f"batched decode, {d}", LOOP_TARGET_TEXT, *got)
-            if not looped:
-                add("batched decode", LOOP_TARGET_TEXT, "not measured",
-                    "not in the peer runs; [Issue 9 targets](#issue-9-targets) (the suite run of this document)")
+        if kind in BESIDE:
+            field, verdict, row, target, unmeasured = BESIDE[kind]
+            judged = beside_rows(rows, kind, field, verdict)
+            for d, got in judged:
+                add(f"{row}, {d}", target, *got)
+            if not judged:
+                add(row, target, "not measured", unmeasured)
     add("bf16 vs fp16 pages", "bf16 at least as fast as float16 (every decode shape)",
         *dtype_ratio_verdict(runs, "decode", "float16"))
     add("bf16 vs fp16 pages", "bf16 never slower than float32 (every decode shape)",
