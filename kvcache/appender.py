@@ -171,8 +171,7 @@ class Appender:
             for page in s.held:
                 core.decref(page, None)
             s.held.clear()
-        if core.freed and core.group is None:
-            core.clear_freed()
+        core.clear_freed()
 
     def _register_full_pages(self, s: Sequence, known: int, journal: Journal) -> None:
         """Extend ``s.chain`` over every page full of known token ids; register each page whose content no entry

@@ -113,10 +113,12 @@ class CacheCore:
 
     def clear_freed(self) -> None:
         """Zero the bytes of the pages freed by finished operations that are still free, once no open group can
-        take a free back (call it when ``group`` is None): a later write into such a page finds zeros, which the
-        journal records without a copy (`Journal.save_bytes`), so a prefill into recycled pages saves nothing,
-        and their memory goes back to the OS. A page a rollback took back since (referenced or parked again)
-        keeps its bytes."""
+        take a free back (a no-op while ``group`` is open or nothing was freed): a later write into such a page
+        finds zeros, which the journal records without a copy (`Journal.save_bytes`), so a prefill into recycled
+        pages saves nothing. The pages stay resident (`PagePool.clear_pages`). A page a rollback took back since
+        (referenced or parked again) keeps its bytes."""
+        if not self.freed or self.group is not None:
+            return
         alloc, pages = self.allocator, self.freed
         self.freed = []
         parked = alloc.parked() if alloc.num_parked else ()
@@ -148,8 +150,7 @@ class CacheCore:
             raise
         publish()
         self.keep_for_group(journal, unpublish)
-        if self.freed and self.group is None:
-            self.clear_freed()
+        self.clear_freed()
 
     def keep_for_group(self, journal: Journal | None, undo=None) -> None:
         """Hand a finished operation's undo steps to the `OpGroup` open in this thread, if any."""

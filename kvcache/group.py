@@ -53,8 +53,7 @@ class OpGroup:
         with core.lock:
             self.journal.rollback()
             self.closed = True
-            if core.freed and core.group is None:
-                core.clear_freed()
+            core.clear_freed()
 
     def close(self) -> None:
         """Keep every recorded operation (an enclosing group takes them over); the group is closed."""
@@ -65,5 +64,4 @@ class OpGroup:
                 outer.journal.extend(self.journal)
             self.journal.clear()
             self.closed = True
-            if core.freed and core.group is None:
-                core.clear_freed()              # the frees of the group are final now
+            core.clear_freed()              # the frees of the group are final now
