@@ -23,6 +23,21 @@ def engine_call(server: Server, fn, timeout_s: float = 30.0):
     return server.loop.call(fn).result(timeout_s)
 
 
+def pace_steps(server: Server, seconds: float) -> None:
+    """Every later ``engine.step()`` sleeps ``seconds`` after it returns (the GIL released), so a test that
+    must see a request mid-run is not outrun by the engine thread: unpaced, the tiny model can finish 400
+    tokens before a loaded machine schedules the test's client thread again."""
+    def install(engine):
+        step = engine.step
+
+        def paced_step():
+            outputs = step()
+            time.sleep(seconds)
+            return outputs
+        engine.step = paced_step
+    engine_call(server, install)
+
+
 def engine_stats(server: Server) -> dict:
     return engine_call(server, lambda engine: dict(engine.stats()))
 

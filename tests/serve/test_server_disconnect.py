@@ -6,10 +6,11 @@ import time
 
 import httpx2
 
-from .harness import completion_body, engine_call, engine_stats, wait_idle
+from .harness import completion_body, engine_call, engine_stats, pace_steps, wait_idle
 
 
 PROMPT = list(range(3, 60))      # 57 tokens: 4 pages of 16
+PACE_S = 0.02                    # 400 paced steps take >= 8 s: the checks below run mid-request
 
 
 def _holding(server) -> bool:
@@ -21,6 +22,7 @@ def _holding(server) -> bool:
 
 def test_stream_disconnect_aborts_and_frees_the_pages(start_server):
     server = start_server()
+    pace_steps(server, PACE_S)
     body = completion_body(PROMPT, 400, stream=True)
     received = 0
     with httpx2.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
@@ -39,6 +41,7 @@ def test_stream_disconnect_aborts_and_frees_the_pages(start_server):
 
 def test_non_stream_disconnect_aborts_and_frees_the_pages(start_server):
     server = start_server()
+    pace_steps(server, PACE_S)
     data = json.dumps(completion_body(PROMPT, 400)).encode()
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(data)}\r\n\r\n").encode() + data
@@ -58,6 +61,7 @@ def test_an_abort_frees_the_pages_before_the_next_step(start_server):
     from decode.serve import SamplingParams
 
     server = start_server()
+    pace_steps(server, PACE_S)
     outputs = queue.Queue()
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     assert server.loop.submit(PROMPT, params, "long-one", outputs.put).result(30) == "long-one"
