@@ -33,10 +33,10 @@ def test_stream_disconnect_aborts_and_frees_the_pages(start_server):
                 break
         assert _holding(server), (engine_stats(server), server.loop.stats())  # mid-stream: running, holding pages
     stats = wait_idle(server, timeout_s=20)        # the connection is closed: abort, pages back
-    assert stats["pages_in_use"] == stats["prefix_cached_pages"] and stats["requests_running"] == 0
     loop = server.loop.stats()
-    assert loop["loop_aborted"] == 1 and loop["loop_finished"] == 0 and loop["loop_open_requests"] == 0
-    assert stats["generation_tokens_total"] < 400  # it did not run on to the end
+    assert stats["pages_in_use"] == stats["prefix_cached_pages"] and stats["requests_running"] == 0, (stats, loop)
+    assert loop["loop_aborted"] == 1 and loop["loop_finished"] == 0 and loop["loop_open_requests"] == 0, (stats, loop)
+    assert stats["generation_tokens_total"] < 400, (stats, loop)  # it did not run on to the end
 
 
 def test_non_stream_disconnect_aborts_and_frees_the_pages(start_server):
