@@ -14,7 +14,8 @@ float formats, the uint16 scale bits for int8) by overload at compile time, the 
 NUMBA_DISABLE_JIT twins. A new float-like format is a new element type in `simd.ld` / `simd._widen`; a new
 scaled format is a new branch here. Shapes: ``kp`` / ``vp`` [page_size, width] rows of one kv head of one page,
 ``st`` float32 scratch [page_size * ceil(width / 32)] (the tile's scales), ``kt`` / ``vt`` float32 scratch
-[chunk rows, width].
+[chunk rows, width] (``kt`` float64 with float64 q.k: large query-head groups take the chunk's key rows widened
+once, `wide_group`).
 
     tile_scales(scales, page, h, st)                      int8: st <- the page tile's scales as float32
     score_rows(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt)
@@ -42,15 +43,43 @@ def tile_scales(scales, page, h, st):
 def score_rows(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
     """Scores of the query-head group against rows r0..r1-1 of kp (any format): of qh [G, D] itself, or for
     bfloat16 pages of q as `bf16_dot.split_query` prepared it (parts > 0: its bfloat16 parts qb [G, 3 * Dp],
-    vdpbf16ps; parts -1: its float32 halves qf [G, Dp], two FMAs per pair; 0: qh)."""
+    vdpbf16ps; parts -1: its float32 halves qf [G, Dp], two FMAs per pair; 0: qh); float64 qh of a large group
+    over 16- or 32-bit float rows: the rows widened once into kt first (`_widen_once`: the same scores)."""
     if scales is not None:
         score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt)
     elif parts > 0 and kp.dtype == np.int16:
         qk(qb, kp, r0, r1, Sh, c, parts)
     elif parts < 0 and kp.dtype == np.int16:
         qk(qf, kp, r0, r1, Sh, c, 1)
+    elif _widen_once(qh, kp, kt, r0, r1):
+        _float_block_rows(kp, r0, r1, kt, 0)
+        qk(qh, kt, 0, r1 - r0, Sh, c)
     else:
         qk(qh, kp, r0, r1, Sh, c)
+
+
+def wide_group(itemsize):
+    """Query heads per kv head from which float64 q.k widens a chunk of key rows once (float32 pages: 16, a
+    widening of one conversion saved 4 times; float16: 8, one of two conversions saved twice): below that, the
+    store and reload of the widened rows cost what they save."""
+    return 16 if itemsize == 4 else 8
+
+
+def _widen_once(qh, kp, kt, r0, r1):
+    """Whether the float64 scores (precision="highest") of a large query-head group take the chunk's key rows
+    widened once into the float64 scratch kt, instead of each 4-head block of `qk` widening them again (the
+    conversions, with the FMAs on the same two ports, bound that loop); the same float64 values either way: the
+    scores keep their bits."""
+    return (qh.dtype == np.float64 and kt.dtype == np.float64 and kp.dtype not in (np.float64, np.int16)
+            and qh.shape[0] >= wide_group(kp.itemsize) and r1 - r0 <= kt.shape[0])
+
+
+def key_scratch(scales, rows, width, acc0):
+    """The ``kt`` scratch of `score_rows`: float32 for int8 (its scaled tiles), else in the q.k accumulation
+    dtype (acc0's)."""
+    if scales is not None:
+        return np.empty((rows, width), np.float32)
+    return np.full((rows, width), acc0)
 
 
 def value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt):
@@ -101,6 +130,17 @@ if JIT:
         if not _floats(scales):
             return lambda qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt: score_rows_int8(qh, kp, st, r0, r1,
                                                                                                  Sh, c, kt)
+        if (qh.dtype == types.float64 and kt.dtype == types.float64
+                and kp.dtype not in (types.float64, types.int16)):
+            wide = wide_group(kp.dtype.bitwidth // 8)
+
+            def widened(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
+                if qh.shape[0] >= wide and r1 - r0 <= kt.shape[0]:
+                    _float_block_rows(kp, r0, r1, kt, 0)
+                    qk(qh, kt, 0, r1 - r0, Sh, c)
+                else:
+                    qk(qh, kp, r0, r1, Sh, c)
+            return widened
         if kp.dtype != types.int16:
             return lambda qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt: qk(qh, kp, r0, r1, Sh, c)
 
@@ -112,6 +152,12 @@ if JIT:
             else:
                 qk(qh, kp, r0, r1, Sh, c)
         return bf16_pages
+
+    @overload(key_scratch, inline="always")
+    def _key_scratch_ov(scales, rows, width, acc0):
+        if _floats(scales):
+            return lambda scales, rows, width, acc0: np.full((rows, width), acc0)
+        return lambda scales, rows, width, acc0: np.empty((rows, width), np.float32)
 
     @overload(value_rows, inline="always")
     def _value_rows_ov(Sh, c, vp, st, scales, r0, r1, ah, vt):

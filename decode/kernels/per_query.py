@@ -14,7 +14,7 @@ from numba import njit, prange
 
 from .bf16_dot import q_buffers, split_query
 from .blocks import load_heads, normalise, softmax_block, unit_range
-from .loaders import score_rows, tile_scales, value_rows
+from .loaders import key_scratch, score_rows, tile_scales, value_rows
 from .simd import FAST, borrow, prefetch_lines
 from .units import merge_rows
 
@@ -129,7 +129,7 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     l = np.empty((H, G), q.dtype)
     acc = np.empty((H, G, Dv), q.dtype)
     st = np.empty(P * (-(-max(D, Dv) // GROUP)), np.float32)
-    kt = np.empty((RC, D), np.float32)
+    kt = key_scratch(k_scales, RC, D, acc0)   # float64 with float64 q.k: key rows widened once (loaders)
     vt = np.empty((RC, Dv), np.float32)
     sc = np.empty(1, q.dtype)
     sc[0] = scale                    # the scale in the compute dtype: score arithmetic never widens to float64
