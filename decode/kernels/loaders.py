@@ -74,12 +74,12 @@ def _widen_once(qh, kp, kt, r0, r1):
             and qh.shape[0] >= wide_group(kp.itemsize) and r1 - r0 <= kt.shape[0])
 
 
-def key_scratch(scales, rows, width, acc0):
-    """The ``kt`` scratch of `score_rows`: float32 for int8 (its scaled tiles), else in the q.k accumulation
-    dtype (acc0's)."""
+def key_scratch(scales, rows, width, qs):
+    """The ``kt`` scratch of `score_rows`, uninitialised: float32 for int8 (its scaled tiles), else in the q.k
+    accumulation dtype (that of qs, the query rows as the dot reads them)."""
     if scales is not None:
         return np.empty((rows, width), np.float32)
-    return np.full((rows, width), acc0)
+    return np.empty((rows, width), qs.dtype)
 
 
 def value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt):
@@ -154,10 +154,10 @@ if JIT:
         return bf16_pages
 
     @overload(key_scratch, inline="always")
-    def _key_scratch_ov(scales, rows, width, acc0):
+    def _key_scratch_ov(scales, rows, width, qs):
         if _floats(scales):
-            return lambda scales, rows, width, acc0: np.full((rows, width), acc0)
-        return lambda scales, rows, width, acc0: np.empty((rows, width), np.float32)
+            return lambda scales, rows, width, qs: np.empty((rows, width), qs.dtype)
+        return lambda scales, rows, width, qs: np.empty((rows, width), np.float32)
 
     @overload(value_rows, inline="always")
     def _value_rows_ov(Sh, c, vp, st, scales, r0, r1, ah, vt):

@@ -129,7 +129,7 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     l = np.empty((H, G), q.dtype)
     acc = np.empty((H, G, Dv), q.dtype)
     st = np.empty(P * (-(-max(D, Dv) // GROUP)), np.float32)
-    kt = key_scratch(k_scales, RC, D, acc0)   # float64 with float64 q.k: key rows widened once (loaders)
+    kt = key_scratch(k_scales, RC, D, qs)     # float64 with float64 q.k: key rows widened once (loaders)
     vt = np.empty((RC, Dv), np.float32)
     sc = np.empty(1, q.dtype)
     sc[0] = scale                    # the scale in the compute dtype: score arithmetic never widens to float64

@@ -186,7 +186,8 @@ def value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags
     """O[:Rp] += ST[:nb, :Rp]^T @ the block's V rows: in place for pages in the compute dtype (head_dim_v a
     multiple of the lanes), else through Vb. float16 / bfloat16 pages are widened into Vb once per block: read in
     place they were widened once per 6-row block of the GEMM (Rp / 6 times), 8 more vector ops per 24 FMAs; the
-    copy measured 0.91x the time at 0->512 and 0.97x at 0->2048 (GQA4 d128, one thread, benchmarks.ab_trees)."""
+    copy measured 0.93-0.97x the time at 0->512, 0->2048 and 4096+128 (GQA4 d128, one thread, CPU time under load,
+    benchmarks.ab_trees)."""
     if v_scales is None and v_pages.shape[3] % L == 0 and v_pages.dtype == O.dtype:
         _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha)
     else:

@@ -174,17 +174,17 @@ def test_scales_refused_for_float_pages_and_int8_v_needs_int8_k():
     scene.check(out)
 
 
-LUCKY_REFERENCES = pytest.mark.xfail(strict=False, reason=(
+# (head_dim, magnitude, page_size, group) of the one scene whose miss is known, and why
+LUCKY_REFERENCES = ((64, 10.0, 3, 1), (
     "head_dim 64, magnitude 10, page 3, group 1, query (2, 299), kv head 1: two keys 2.54 apart at scores ~336 "
     "(float32 spacing 3.05e-5) share the softmax 0.93 / 0.07, so one rounding of each score moves the output by "
     "up to ~1e-4; the kernel measures 1.01e-4. On the Intel guest of 2026-12-02 the three references of the "
     "budget happened to round both scores the same way (NumPy 2.3e-6, torch 5.7e-6, the once-rounded oracle "
-    "1.3e-6 at that query), so the budget is 3.2e-5: the kernel misses the rule here on that machine (earlier CI runs "
-    "passed it: their references rounded otherwise). Not fixed: any float32-score kernel can land there."))
+    "1.3e-6 at that query), so the budget is 3.2e-5: the kernel misses the rule here on that machine (earlier CI "
+    "runs passed it: their references rounded otherwise). Not fixed: any float32-score kernel can land there."))
 
 
-@pytest.mark.parametrize("head_dim,magnitude", [pytest.param(d, m, marks=LUCKY_REFERENCES) if (d, m) == (64, 10.0)
-                                               else (d, m) for d in (3, 33, 64, 128, 129) for m in (1.0, 3.0, 10.0)])
+@pytest.mark.parametrize("head_dim,magnitude", [(d, m) for d in (3, 33, 64, 128, 129) for m in (1.0, 3.0, 10.0)])
 def test_score_magnitudes(head_dim, magnitude, reduced_grid):
     """int8 pages under the magnitude grid of the float formats (q and K scaled up: |q.k| up to ~1000 at
     head_dim 128, the softmax nearly one-hot): within the float32 budget (`naive.budget`) of the float64 oracle
@@ -194,6 +194,7 @@ def test_score_magnitudes(head_dim, magnitude, reduced_grid):
     if reduced_grid and (head_dim, magnitude) not in ((3, 10.0), (33, 10.0), (64, 1.0)):
         pytest.skip("full grid only")
     pages = (1, 16) if reduced_grid else (1, 3, 16, 64)
+    known_miss = None
     for P, group in itertools.product(pages, (1, 4, 8, 32)):
         rng = np.random.default_rng(int(head_dim * 1000 + P * 10 + group + magnitude * 7))
         L = 300 if not reduced_grid else 70
@@ -202,4 +203,11 @@ def test_score_magnitudes(head_dim, magnitude, reduced_grid):
                           queries=[(0, 0), (1, P)] + [(2, t) for t in range(L - 5, L)])
         scene.q *= magnitude
         for mode, split in ((1, 0), (2, 0), (2, 64)):
-            scene.check(scene.run(mode=mode, split_tokens=split))
+            try:
+                scene.check(scene.run(mode=mode, split_tokens=split))
+            except AssertionError as miss:
+                if (head_dim, magnitude, P, group) != LUCKY_REFERENCES[0]:
+                    raise
+                known_miss = miss                 # every other scene of this case is still checked
+    if known_miss is not None:
+        pytest.xfail(f"{LUCKY_REFERENCES[1]} ({known_miss})")
