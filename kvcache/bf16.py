@@ -65,9 +65,8 @@ def to_float32(bits: np.ndarray) -> np.ndarray:
 @njit(cache=True, nogil=True, inline="always")
 def f32_bits_to_bf16(u):
     """float32 bits (uint32) -> bfloat16 bits (an int), rounded to nearest even; NaN -> 0x7fc0."""
-    if (u & 0x7fffffff) > 0x7f800000:
-        return QUIET_NAN
-    return (u + 0x7fff + ((u >> 16) & 1)) >> 16
+    r = (u + 0x7fff + ((u >> 16) & 1)) >> 16     # both computed, one selected: loops over it vectorise
+    return QUIET_NAN if (u & 0x7fffffff) > 0x7f800000 else r
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -79,11 +78,15 @@ def bf16_to_f32_bits(b):
 @njit(cache=True, nogil=True)
 def _round_flat(u, out):
     """``out[i]`` = the bfloat16 bits of float32 bits ``u[i]``; returns the first i whose result is inf or NaN,
-    or -1."""
-    bad = -1
+    or -1. The rounding pass ORs a flag over the lanes (so it vectorises); only a flagged call looks for i."""
+    any_bad = 0
     for i in range(u.shape[0]):
         b = f32_bits_to_bf16(u[i])
         out[i] = b
-        if (b & 0x7f80) == 0x7f80 and bad < 0:
-            bad = i
-    return bad
+        any_bad |= np.int64((b & 0x7f80) == 0x7f80)
+    if any_bad == 0:
+        return -1
+    for i in range(u.shape[0]):
+        if (out[i] & 0x7f80) == 0x7f80:
+            return i
+    return -1
