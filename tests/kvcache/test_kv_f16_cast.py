@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from kvcache.checks import cast_to_storage
-from kvcache.jit_store import f16_round_flat
+from numba import njit
+
+from kvcache.jit_store import f16_bits_arith, f16_round_flat
 
 
 def _bit_sweep() -> np.ndarray:
@@ -26,6 +28,26 @@ def test_jitted_cast_is_numpys_bit_for_bit():
         ref = f.astype(np.float16).view(np.uint16)
     out = np.empty(u.shape, np.uint16)
     assert f16_round_flat(u, out) == bool((np.abs(f) >= 65520).any() or np.isnan(f).any())
+    nan = np.isnan(f)
+    assert (out[~nan] == ref[~nan]).all()
+    assert ((out[nan] & 0x7fff) == 0x7e00).all()
+
+
+@njit
+def _arith_all(u, out):
+    for i in range(u.shape[0]):
+        out[i] = f16_bits_arith(u[i])
+
+
+def test_integer_twin_is_numpys_bit_for_bit():
+    """The integer-arithmetic cast (what runs without the JIT, and what the hardware cast was checked against over
+    every float32 pattern) on the same sweep."""
+    u = _bit_sweep()
+    f = u.view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref = f.astype(np.float16).view(np.uint16)
+    out = np.empty(u.shape, np.uint16)
+    _arith_all(u, out)
     nan = np.isnan(f)
     assert (out[~nan] == ref[~nan]).all()
     assert ((out[nan] & 0x7fff) == 0x7e00).all()
