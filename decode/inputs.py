@@ -225,7 +225,9 @@ def check_tokens(decoders, counts, q, k, v):
     (``q[1]: ...``), of the ragged form the ragged index."""
     checks = checks_for(decoders[0])
     if not any(isinstance(x, (list, tuple)) for x in (q, k, v)):
-        return checks.tokens(q, k, v, sum(counts))
+        q, k, v = checks.tokens(q, k, v, sum(counts))
+        pool = decoders[0].cache.pool          # rounded to storage once, whole (the write's pages are strided views)
+        return q, pool.stored(k), pool.stored(v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x is None and name == "q":
             continue

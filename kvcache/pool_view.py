@@ -89,6 +89,12 @@ class PoolView:
         the cast), or for int8 checked finite and within `kvcache.quant.MAX_ABS` and returned as given."""
         return self._pool.check(name, x)
 
+    def stored(self, x: np.ndarray) -> np.ndarray:
+        """Rows already validated for this pool (magnitudes that stay finite in its storage) as its elements, once
+        for a whole multi-token input: bfloat16 bits, float32 rounded to float16 by the jitted cast (bit for bit
+        NumPy's), anything else as given (the write's assignment casts, int8 writes quantize)."""
+        return self._pool.stored(x)
+
     # -- page accounting ----------------------------------------------------------------------------------------
     @property
     def index(self):
