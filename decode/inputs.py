@@ -13,8 +13,9 @@ caller's argument (and, for the list form of a batch, its element: ``q[1]: ...``
 
 The decode step, `batch_step` and the multi-token calls (extend, prefill, append, the ragged batch) check
 finiteness and magnitude with one jitted call (`first_bad_input`) instead of NumPy reductions per array; only a
-bad input takes the per-array checks, which name it. The limit makes "finite after the cast to the storage dtype" checkable before casting: a float32 input
-bound for float16 storage must satisfy |x| < 65520 (values from 65520 up round to inf in float16).
+bad input takes the per-array checks, which name it. The limit makes "finite after the cast to the storage
+dtype" checkable before casting: a float32 input bound for float16 storage must satisfy |x| < 65520 (values from
+65520 up round to inf in float16).
 
 `magnitude_limits` bounds the inputs so that the kernel's arithmetic cannot overflow: finite q and k whose scores
 exceed the compute dtype made the fastmath kernel return NaN, raise ZeroDivisionError, or return finite garbage.

@@ -113,6 +113,13 @@ def f16_round_flat(u, out):
     return bad != 0
 
 
+def to_f16(x: np.ndarray) -> tuple[np.ndarray, bool]:
+    """float32 array ``x`` (any layout) -> (its float16 cast, bit for bit NumPy's ``astype``; whether any element
+    is inf or NaN there): `f16_round_flat` over a C-contiguous copy, ~20x faster than NumPy's cast here."""
+    out = np.empty(x.shape, np.float16)
+    return out, f16_round_flat(np.ascontiguousarray(x).reshape(-1).view(np.uint32), out.reshape(-1).view(np.uint16))
+
+
 @njit(cache=True, nogil=True)
 def store_token_bits(k16, v16, layer, page, offset, k_bits, v_bits, fmt):
     """See the module docstring."""

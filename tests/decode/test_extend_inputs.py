@@ -2,11 +2,18 @@
 and the ragged batch): it takes what the per-array checks took, refuses what they refused with the same named
 error and leaves the cache byte for byte unchanged, and the write casts what it let through exactly as the
 per-array casts did (float16: NumPy's rounding, bit for bit; bfloat16: nearest-even bits)."""
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from decode import Decoder
 from kvcache import KVCache
+
+_spec = importlib.util.spec_from_file_location("decode_kernel_naive_inputs", Path(__file__).with_name("naive.py"))
+naive = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(naive)
 
 EDGES = np.array([0.0, -0.0, 65504.0, 65519.996, -65519.996, 2 ** -24, 2 ** -25, 3 * 2 ** -26, 1.0 + 2 ** -11,
                   1.0 + 3 * 2 ** -11, 1e-30, 6e4], dtype=np.float32)
@@ -24,11 +31,6 @@ def _inputs(rng, T, input_dtype=np.float32):
     return q, x[1].astype(input_dtype), x[2][:, :, ::-1].astype(input_dtype)      # v: a non-contiguous view
 
 
-def _bf16_bits(x):
-    b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    return (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF).astype(np.uint16)
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("input_dtype", [np.float32, np.float64])
 def test_extend_and_append_store_the_per_array_casts(dtype, input_dtype):
@@ -41,7 +43,7 @@ def test_extend_and_append_store_the_per_array_casts(dtype, input_dtype):
     gk, gv = cache.gather(dec.seq)
     for got, want in ((gk, np.concatenate([k, k2])), (gv, np.concatenate([v, v2]))):
         if dtype == "bfloat16":
-            assert (_bf16_bits(got) == _bf16_bits(want)).all()       # widened bits are the stored ones, exactly
+            assert (naive.bf16_bits(got) == naive.bf16_bits(want)).all()   # widened bits: the stored ones, exactly
         else:
             assert (np.asarray(got, dtype) == want.astype(dtype)).all()
     assert dec.length == 27
