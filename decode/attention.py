@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from .attention_plan import BFLOAT16, PRECISIONS, attend_unchecked, compute_dtype
+from .attention_plan import BFLOAT16, PRECISIONS, attend_unchecked, compute_dtype, writable
 from .kernels.input_check import CheckCode, check_inputs
 
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
@@ -99,6 +99,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_indptr, query
     out = _check_out(out, (num_queries, q.shape[1], v_pages.shape[3]), compute)
     if num_queries == 0:
         return out
+    q = writable(q)              # a read-only q would compile the input check and the kernels again
     q_limit = _F32_LIMIT if q.itemsize > compute.itemsize else math.inf
     q_flat = q.reshape(-1) if q.flags.c_contiguous else np.ascontiguousarray(q).reshape(-1)
     code, bad = check_inputs(q_flat, q_limit, page_indices, page_indptr, query_seq, query_pos, num_pages,

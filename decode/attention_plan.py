@@ -152,6 +152,15 @@ def visible_work(query_pos, window) -> int:
     return int(query_pos.sum()) + len(query_pos)
 
 
+def writable(q):
+    """q as the kernels take it: numba types a read-only array apart from a writeable one, so a read-only q (an
+    array from Ray's object store, `np.broadcast_to`, a memory map) would compile every kernel again for its
+    storage format (~40 s for the per-query and tiled pair, measured in a Ray worker). A read-only array is
+    copied (q is [num_queries, num_q_heads, head_dim], small beside the pages it is scored against); anything
+    else is returned as it is, for the checks to judge."""
+    return q if not isinstance(q, np.ndarray) or q.flags.writeable else q.copy()
+
+
 class QueryPlan:
     """The per-query kernel's units for queries at ``query_pos``: serial (`query_serial` on the calling thread)
     or parallel (`query_parallel`), units [U, 4] = (query, lo, hi, slot) cut at absolute multiples of
@@ -187,6 +196,7 @@ class QueryPlan:
     def run(self, q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, scale,
             window, out):
         """One layer over kernel views of the pages (`kernel_view`); the positions must be the plan's."""
+        q = writable(q)
         if self.serial:
             return query_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq,
                                 query_pos, scale, window, out, self.units, self.items, self.num_slots, self.block,
@@ -218,6 +228,7 @@ class TilePlan:
 
     def run(self, q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, scale, window, out):
         """One layer: out[i] of every query i in a run (kernel views of the pages; the plan's positions)."""
+        q = writable(q)
         if self.serial:
             return tiled_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, self.runs,
                                 self.units, self.items, self.parts, self.slots, window, scale, TILE_BLOCK,

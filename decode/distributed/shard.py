@@ -22,6 +22,7 @@ import numba
 import numpy as np
 
 from decode import Decoder, batch_transaction
+from decode.attention_plan import writable
 from decode.partial import partial_attention
 from kvcache import KVCache
 from kvcache.errors import InjectedFault
@@ -82,6 +83,7 @@ class Shard:
         ``begin``'s sequences; returns the output (None for append).
         "context": one sequence; k/v are this shard's part of the new tokens (T_local of them, maybe 0); with
         q given, returns the partial state ``(m, l, acc)`` of q over the local keys ``0 .. query_hi[i]-1``."""
+        q, k, v = (None if x is None else writable(x) for x in (q, k, v))   # the object store's are read-only
         try:
             if begin is not None:
                 self._begin(txid, *begin)

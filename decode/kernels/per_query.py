@@ -180,9 +180,10 @@ def query_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_ind
     """Every unit on the calling thread, then the merge of the split queries (units empty: one per query)."""
     wm, wl, wacc = _workspace(q, k_pages.shape[1], v_pages.shape[3], num_slots)
     n = units.shape[0] if units.shape[0] else query_pos.shape[0]
+    zero = np.int64(0)               # not the literal 0: the serial and parallel kernels share one compiled body
     query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, window,
-                scale, out, units, 0, n, block, ahead, wm, wl, wacc, acc0, dot)
-    merge_items(out, items, 0, items.shape[0], wm, wl, wacc, scale)
+                scale, out, units, zero, n, block, ahead, wm, wl, wacc, acc0, dot)
+    merge_items(out, items, zero, items.shape[0], wm, wl, wacc, scale)
     return out
 
 
@@ -203,5 +204,5 @@ def query_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_i
         for ck in prange(nch):
             merge_items(out, items, ck * n // nch, (ck + 1) * n // nch, wm, wl, wacc, scale)
     else:
-        merge_items(out, items, 0, n, wm, wl, wacc, scale)
+        merge_items(out, items, np.int64(0), n, wm, wl, wacc, scale)
     return out

@@ -408,9 +408,10 @@ def tiled_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_ind
     """Every unit of `units.plan_tiles` on the calling thread, then the split tiles' merge."""
     G = q.shape[1] // k_pages.shape[1]
     wm, wl, wacc = _tile_workspace(q, tokens, G, v_pages.shape[3], num_slots)
-    tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, 0, units.shape[0],
+    zero = np.int64(0)               # not the literal 0: the serial and parallel kernels share one compiled body
+    tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, zero, units.shape[0],
                 window, scale, block, tokens, out, wm, wl, wacc, acc0)
-    merge_tiles(runs, items, item_parts, 0, items.shape[0], G, wm, wl, wacc, out)
+    merge_tiles(runs, items, item_parts, zero, items.shape[0], G, wm, wl, wacc, out)
     return out
 
 
@@ -430,5 +431,5 @@ def tiled_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_i
         for ck in prange(nch):
             merge_tiles(runs, items, item_parts, ck * n // nch, (ck + 1) * n // nch, G, wm, wl, wacc, out)
     else:
-        merge_tiles(runs, items, item_parts, 0, n, G, wm, wl, wacc, out)
+        merge_tiles(runs, items, item_parts, np.int64(0), n, G, wm, wl, wacc, out)
     return out

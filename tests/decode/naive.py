@@ -10,14 +10,14 @@ import numpy as np
 
 def gather(pages, page_indices, page_indptr, seq, length):
     """Dense ``[length, num_kv_heads, dim]`` copy (storage dtype) of positions 0..length-1 of sequence ``seq``.
-    Positions on freed (-1) pages are NaN."""
+    Positions on freed (-1) pages are NaN. Position t is row t % page_size of the sequence's page t // page_size."""
     _, num_kv_heads, page_size, dim = pages.shape
     out = np.full((length, num_kv_heads, dim), np.nan, dtype=pages.dtype)
     row = page_indices[page_indptr[seq]:page_indptr[seq + 1]]
-    for t in range(length):
-        page = row[t // page_size]
-        if page >= 0:
-            out[t] = pages[page, :, t % page_size, :]
+    t = np.arange(length)
+    page = row[t // page_size]
+    live = page >= 0
+    out[live] = pages[page[live], :, t[live] % page_size, :]
     return out
 
 
@@ -45,16 +45,16 @@ def _attend(q, K, V, scale, dtype, score_dtype=None):
     num_kv_heads = K.shape[1]
     group = num_q_heads // num_kv_heads
     out = np.empty((num_q_heads, V.shape[2]), dtype=dtype)
-    for h in range(num_q_heads):
-        kvh = h // group
+    for kvh in range(num_kv_heads):
         k = K[:, kvh, :].astype(dtype)
         v = V[:, kvh, :].astype(dtype)
-        raw = k @ q[h].astype(dtype)
-        if score_dtype is not None:
-            raw = raw.astype(score_dtype).astype(dtype)
-        s = raw * dtype(scale)
-        e = np.exp(s - s.max())
-        out[h] = (e @ v) / e.sum()
+        for h in range(kvh * group, (kvh + 1) * group):
+            raw = k @ q[h].astype(dtype)
+            if score_dtype is not None:
+                raw = raw.astype(score_dtype).astype(dtype)
+            s = raw * dtype(scale)
+            e = np.exp(s - s.max())
+            out[h] = (e @ v) / e.sum()
     return out
 
 
@@ -65,13 +65,24 @@ def decode(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
     score_dtype=float32 (with dtype=float64): the oracle with its unscaled scores q.k rounded to float32: the
     error floor of any computation that holds its scores in float32."""
     out = np.empty((q.shape[0], q.shape[1], v_pages.shape[3]), dtype=dtype)
-    for i in range(q.shape[0]):
-        s, p = int(query_seq[i]), int(query_pos[i])
-        lo = visible(p, window)
-        K = gather(k_pages, page_indices, page_indptr, s, p + 1)[lo:]
-        V = gather(v_pages, page_indices, page_indptr, s, p + 1)[lo:]
-        out[i] = _attend(q[i], K, V, scale, dtype, score_dtype)
+    for i, (K, V, lo, p) in enumerate(_dense(k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
+                                             window)):
+        out[i] = _attend(q[i], K[lo:p + 1], V[lo:p + 1], scale, dtype, score_dtype)
     return out
+
+
+def _dense(k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos, window):
+    """Per query i: (K, V, lo, p), its sequence's dense K/V (`gather`, once per sequence, up to the sequence's
+    last queried position) and its visible range lo..p."""
+    seqs = [int(s) for s in query_seq]
+    last = {}
+    for s, p in zip(seqs, query_pos):
+        last[s] = max(last.get(s, -1), int(p))
+    dense = {s: (gather(k_pages, page_indices, page_indptr, s, n + 1), gather(v_pages, page_indices, page_indptr, s,
+                                                                                 n + 1)) for s, n in last.items()}
+    for s, p in zip(seqs, query_pos):
+        p = int(p)
+        yield dense[s][0], dense[s][1], visible(p, window), p
 
 
 # -- the float32 accuracy budget (DEVELOPERS.md, issue 20) -------------------------------------------------------
@@ -86,11 +97,9 @@ def torch_decode(q, k_pages, v_pages, page_indices, page_indptr, query_seq, quer
     except ImportError:
         return None
     out = np.empty((q.shape[0], q.shape[1], v_pages.shape[3]), dtype=np.float32)
-    for i in range(q.shape[0]):
-        s, p = int(query_seq[i]), int(query_pos[i])
-        lo = visible(p, window)
-        K = gather(k_pages, page_indices, page_indptr, s, p + 1)[lo:].astype(np.float32)
-        V = gather(v_pages, page_indices, page_indptr, s, p + 1)[lo:].astype(np.float32)
+    for i, (K, V, lo, p) in enumerate(_dense(k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
+                                             window)):
+        K, V = K[lo:p + 1].astype(np.float32), V[lo:p + 1].astype(np.float32)
         qt = torch.from_numpy(np.ascontiguousarray(q[i], dtype=np.float32))[None, :, None, :]
         kt = torch.from_numpy(np.ascontiguousarray(K.transpose(1, 0, 2)))[None]
         vt = torch.from_numpy(np.ascontiguousarray(V.transpose(1, 0, 2)))[None]

@@ -423,6 +423,38 @@ def test_float64_query_on_float32_storage():
     scene.check(out)
 
 
+def test_read_only_query_compiles_nothing_new():
+    """A read-only q (Ray's object store hands those to a worker) gives the writeable q's bits, through the
+    public call and through the per-query and the tiled kernel, serial and parallel, and compiles no new
+    signature of the input check or the kernels (numba types read-only arrays apart)."""
+    from decode.kernels.input_check import check_inputs
+    from decode.kernels.per_query import query_parallel, query_serial
+    from decode.kernels.tiled import tiled_parallel, tiled_serial
+
+    rng = np.random.default_rng(53)
+    scene = Scene(rng, lengths=[40, 9], queries=[(0, 30), (0, 31), (0, 32), (0, 33), (1, 8)], group=4)
+    assert AP.AttentionPlan(scene.query_seq, scene.query_pos, 0, scene.q.shape, scene.v_pages.shape,
+                            F32).tiles is not None                  # the run of four goes to the tiled kernel
+    frozen = scene.q.copy()
+    frozen.flags.writeable = False
+    jitted = (check_inputs, query_serial, query_parallel, tiled_serial, tiled_parallel)
+
+    def compiled():                          # signatures so far (plain functions under NUMBA_DISABLE_JIT: none)
+        return [len(getattr(f, "signatures", ())) for f in jitted]
+
+    def kernels(q, mode):                    # the unchecked path, serial (1) or parallel (2)
+        out = np.empty((len(q), q.shape[1], scene.v_pages.shape[3]), np.float32)
+        return attend_unchecked(q, *scene.args()[1:], scene.scale, 0, out, mode=mode)
+
+    calls = [lambda q: paged_decode_attention(q, *scene.args()[1:]), lambda q: kernels(q, 1), lambda q: kernels(q, 2)]
+    for call in calls:
+        expected = call(scene.q)
+        before = compiled()
+        assert np.array_equal(call(frozen), expected)
+        assert compiled() == before
+    scene.check(calls[0](frozen))
+
+
 def test_out_argument_and_empty():
     rng = np.random.default_rng(47)
     scene = Scene(rng, lengths=[9, 4])

@@ -27,11 +27,15 @@ def test_stream_disconnect_aborts_and_frees_the_pages(start_server):
     received = 0
     with httpx2.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
+        # the iterator is held: a `for` over a bare `r.iter_lines()` closes it at the `break`, and with it (httpcore
+        # closes its stream on GeneratorExit) the connection, so the server could abort before the check below
+        lines = r.iter_lines()
+        for line in lines:
             received += line.startswith("data: {")
             if received == 3:
                 break
         assert _holding(server), (engine_stats(server), server.loop.stats())  # mid-stream: running, holding pages
+        lines.close()
     stats = wait_idle(server, timeout_s=20)        # the connection is closed: abort, pages back
     loop = server.loop.stats()
     assert stats["pages_in_use"] == stats["prefix_cached_pages"] and stats["requests_running"] == 0, (stats, loop)
