@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 EXTRAS = "test,plot,demo,compare,hf,distributed,serve"
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
+SELF_CONTAINED = "tests/reliability/test_readonly_install.py"      # run in the background chain (`stages`)
 
 
 def venv_python() -> Path:
@@ -100,12 +101,13 @@ def stages(extra) -> tuple[list, list]:
     foreground is just `pytest extra` over the workers.
     background: the kernel tests on the reduced grid with NUMBA_BOUNDSCHECK=1 (built at NUMBA_OPT=0) and with
     NUMBA_DISABLE_JIT=1 (each with its own numba cache: bounds-checked code must not be loaded by the other runs),
-    the shared conformance suite, and the benchmark files once, untimed (so they never rot)."""
+    the shared conformance suite, the read-only install test (it compiles into a cache of its own), and the
+    benchmark files once, untimed (so they never rot)."""
     if extra:
         foreground = [Stage("tests", *extra, spread=True)]
     else:
         foreground = [Stage("kernel tests", "-m", "kernel", "tests"),
-                      Stage("tests", "-m", "not kernel", "tests", spread=True)]
+                      Stage("tests", "-m", "not kernel", "tests", f"--ignore={SELF_CONTAINED}", spread=True)]
     background = []
     for flag in ("NUMBA_BOUNDSCHECK", "NUMBA_DISABLE_JIT"):
         env = {flag: "1", "NUMBA_CACHE_DIR": str(VENV / f"numba-{flag.lower()}")}
@@ -117,6 +119,10 @@ def stages(extra) -> tuple[list, list]:
         background.append(Stage(f"kernel tests {flag}=1", "-m", "kernel", "--reduced-grid", env=env))
     if CONFORMANCE.is_dir():
         background.append(Stage("conformance", "--rootdir", ROOT, CONFORMANCE))
+    if not extra:
+        # compiles cold into a cache of its own (~40 s), so it needs nothing of the foreground's: it runs here,
+        # while the foreground's kernel tests still hold one core, not beside the spread stage and the benchmarks
+        background.append(Stage("read-only install", SELF_CONTAINED))
     background.append(Stage("benchmarks", "benchmarks", "--benchmark-disable", "--quick", warm=True))
     return foreground, background
 
