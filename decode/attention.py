@@ -33,7 +33,9 @@ import math
 
 import numpy as np
 
-from .attention_plan import BFLOAT16, PRECISIONS, attend_unchecked, compute_dtype, writable
+from kvcache.jit_store import writable
+
+from .attention_plan import BFLOAT16, PRECISIONS, attend_unchecked, compute_dtype
 from .kernels.input_check import CheckCode, check_inputs
 
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf

@@ -24,6 +24,8 @@ import weakref
 import numba
 import numpy as np
 
+from kvcache.jit_store import writable
+
 from .kernels import bf16_dot
 from .kernels.per_query import query_parallel, query_serial
 from .kernels.tiled import tiled_parallel, tiled_serial
@@ -150,15 +152,6 @@ def visible_work(query_pos, window) -> int:
     if window:
         return int(np.minimum(query_pos + 1, window).sum())
     return int(query_pos.sum()) + len(query_pos)
-
-
-def writable(q):
-    """q as the kernels take it: numba types a read-only array apart from a writeable one, so a read-only q (an
-    array from Ray's object store, `np.broadcast_to`, a memory map) would compile every kernel again for its
-    storage format (~40 s for the per-query and tiled pair, measured in a Ray worker). A read-only array is
-    copied (q is [num_queries, num_q_heads, head_dim], small beside the pages it is scored against); anything
-    else is returned as it is, for the checks to judge."""
-    return q if not isinstance(q, np.ndarray) or q.flags.writeable else q.copy()
 
 
 class QueryPlan:

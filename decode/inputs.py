@@ -29,6 +29,7 @@ from numba import njit
 
 from kvcache import KVCache, quant
 from kvcache.checks import as_float_array, cast_to_storage, check_int, check_shape
+from kvcache.jit_store import writable
 
 from .attention_plan import compute_dtype
 
@@ -117,6 +118,8 @@ class InputChecks:
                 and k.shape == self.k_shape and v.shape == self.v_shape
                 and q.dtype in _JIT_FLOATS and k.dtype in _JIT_FLOATS and v.dtype in _JIT_FLOATS):
             return self.token_slowly(q, k, v)
+        # a read-only array would compile the jitted check and the pool's store again: copied (`writable`)
+        q, k, v = writable(q), writable(k), writable(v)
         limits = self._limits.get((q.dtype, k.dtype, v.dtype)) or self.input_limits(q.dtype, k.dtype, v.dtype)
         if first_bad_input(q, k, v, *limits) >= 0:
             return self.token_slowly(q, k, v)                     # raises, naming the element
@@ -136,6 +139,7 @@ class InputChecks:
                 and k.shape == (count,) + self.k_shape and v.shape == (count,) + self.v_shape
                 and (q is None or (type(q) is np.ndarray and q.dtype in _JIT_FLOATS
                                    and q.shape == (count,) + self.q_shape))):
+            q, k, v = writable(q), writable(k), writable(v)             # as in `token`
             qc = k[:0] if q is None else q                              # no queries: an empty q passes
             limits = self._limits.get((qc.dtype, k.dtype, v.dtype)) or self.input_limits(qc.dtype, k.dtype, v.dtype)
             if first_bad_input(qc, k, v, *limits) < 0:

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import bf16, quant
 from .errors import ScaleOverflowError
-from .jit_store import to_f16
+from .jit_store import to_f16, writable
 
 STORAGE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int8))
 BFLOAT16 = "bfloat16"              # no numpy dtype: the pool holds uint16 bits (`kvcache.bf16`)
@@ -171,7 +171,7 @@ def check_kv(cfg, storable, k, v, num_tokens: int | None = None, *, layered: boo
     ``layered``: ``k [num_layers, T, num_kv_heads, head_dim]`` (``[T, ...]`` accepted for one layer); otherwise
     one layer's ``k [T, num_kv_heads, head_dim]``. ``v`` likewise with ``head_dim_v``. ``num_tokens``: the T
     expected (None: k's)."""
-    k, v = as_float_array("k", k), as_float_array("v", v)
+    k, v = writable(as_float_array("k", k)), writable(as_float_array("v", v))   # for the jitted stores
     if layered and k.ndim == 3 and cfg.num_layers == 1:
         k, v = k[None], v[None] if v.ndim == 3 else v
     lead, labels = ((cfg.num_layers,), "[num_layers, T, num_kv_heads, ") if layered else ((), "[T, num_kv_heads, ")

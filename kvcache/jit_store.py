@@ -164,6 +164,15 @@ def scatter_kv_bits(k16, v16, pages, offsets, k_bits, v_bits, k_old, v_old, fmt)
 _F32 = np.dtype(np.float32)
 
 
+def writable(x):
+    """``x`` as a jitted function should take it: numba types a read-only array apart from a writeable one, so a
+    read-only argument (an array from Ray's object store, `np.broadcast_to`, a memory map, a frozen test input)
+    compiles the function again for it: ~40 s for the attention kernels of one storage format, 1-4 s for each of
+    the input check and the pool's stores. A read-only array is copied (the per-call inputs: q / k / v of the
+    tokens of one call, small beside the pages); anything else is returned as it is, for the checks to judge."""
+    return x if not isinstance(x, np.ndarray) or x.flags.writeable else x.copy()
+
+
 def as_f32_bits(x: np.ndarray) -> np.ndarray | None:
     """``x`` (float32) viewed as uint32 bits, C-contiguous; None for another dtype."""
     if x.dtype != _F32:

@@ -22,11 +22,11 @@ import numba
 import numpy as np
 
 from decode import Decoder, batch_transaction
-from decode.attention_plan import writable
 from decode.partial import partial_attention
 from kvcache import KVCache
 from kvcache.errors import InjectedFault
 from kvcache.faults import FaultInjector, no_fault
+from kvcache.jit_store import writable
 from kvcache.testing import set_fault_hook
 
 

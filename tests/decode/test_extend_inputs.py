@@ -71,3 +71,58 @@ def test_bad_input_is_named_and_changes_nothing(dtype, name, index, value, match
         with pytest.raises(ValueError, match=match):
             dec.append(k, v)
     assert cache.fingerprint() == before and dec.length == 5
+
+
+def _signatures():
+    """Every compiled signature of every jitted function of the engine's modules (none without the JIT)."""
+    import sys
+
+    from numba.core.registry import CPUDispatcher
+
+    found = set()
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] in ("decode", "kvcache"):
+            for f in vars(module).values():
+                if isinstance(f, CPUDispatcher):
+                    found |= {(f.py_func.__qualname__, str(s)) for s in f.signatures}
+    return found
+
+
+def _frozen(x):
+    x = np.array(x)
+    x.flags.writeable = False
+    return x
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_read_only_inputs_compile_nothing_new(dtype):
+    """Read-only q / k / v (Ray's object store, `np.broadcast_to`, a memory map) through every writing call
+    (`Decoder.step` / `extend` / `append`, `batch_step`, `batch_extend`, `KVCache.append` of one and of several
+    tokens) store and return the writeable inputs' bits, and compile no new signature of any jitted function
+    (numba types a read-only array apart: the input check and the pool's stores were compiled again)."""
+    from decode import batch_extend, batch_step
+
+    def calls(convert):
+        rng = np.random.default_rng(29)
+        cache = KVCache(num_kv_heads=2, head_dim=64, dtype=dtype, page_size=16, max_tokens=512)
+        dec, other = Decoder.on_cache(cache, 4), Decoder.on_cache(cache, 4)
+        q = rng.standard_normal((24, 4, 64)).astype(np.float32)
+        k = rng.standard_normal((24, 2, 64)).astype(np.float32)
+        v = rng.standard_normal((24, 2, 64)).astype(np.float32)
+        q, k, v = convert(q), convert(k), convert(v)
+        outs = [dec.extend(q[:20], k[:20], v[:20]), dec.step(q[20], k[20], v[20])]
+        dec.append(k[:3], v[:3])
+        outs.append(batch_step([dec, other], q[:2], k[:2], v[:2]))
+        outs.append(batch_extend([dec, other], q[:6], k[:6], v[:6], [2, 4]))
+        seq = cache.create_sequence()
+        cache.append(seq, k[:5], v[:5])
+        cache.append(seq, k[5:6], v[5:6])
+        return outs, cache.fingerprint()
+
+    expected = calls(np.array)
+    before = _signatures()
+    got = calls(_frozen)
+    assert _signatures() == before
+    assert got[1] == expected[1]
+    for a, b in zip(got[0], expected[0]):
+        assert np.array_equal(a, b)
