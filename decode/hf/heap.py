@@ -7,7 +7,9 @@ below glibc's dynamic mmap threshold, which grows to the size of every large blo
 into malloc's heap, which keeps them resident; the MLP that follows the attention then maps its own activations
 beside them, and the forward's peak RSS holds both. Trimming after the attention of a forward of many tokens
 returns them first (measured on a bfloat16 Llama, 4096 x 1: the gap to StaticCache was this retained heap; it
-costs ~0.1-1 ms a layer against a prefill's seconds). Decode steps never trim.
+costs ~0.1-1 ms a layer against a prefill's seconds). Forwards of fewer than `decode.hf.plan.TRIM_TOKENS` real
+tokens never trim (decode steps, short prompts: there the freed heap is reused by the next layer and the trim only
+costs time, see its comment).
 """
 import ctypes
 import ctypes.util

@@ -37,6 +37,12 @@ from . import heap, layer_tensors, query_chunks
 # torch's spinning OpenMP threads have gone idle (measured: a 4096-token prefill on 2 cores 16.2 s single-threaded
 # vs 11.8 s for sdpa; decode-sized calls are 5-20x slower on 2 threads, see docs/transformers.md)
 PARALLEL_QUERIES = 256
+# forwards with at least this many real tokens give malloc's free heap back after each layer's attention
+# (`heap.trim`). Measured (bfloat16 Llama, 8 layers, 2 threads, peak RSS growth of one generate(), trim / none):
+# 4096 tokens 263 / 292 MiB, 2048 122-133 / 174-178, 1024 49-52 / 60-70, 512 21 / 20; at 512 the trim (and the
+# re-faulting of what it returned) cost 9% of the prefill (1.21 vs 1.11 s, alternated in one process), above it
+# within the run-to-run spread
+TRIM_TOKENS = 1024
 
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
 _NO_Q = np.zeros(0, dtype=np.float32)
@@ -161,7 +167,7 @@ class ForwardPlan:
             plans = self._plan(window)
             self._write(layer, key, value)
             out = self._attend(plans, layer, query, scale, window)
-            if self.num_tokens >= PARALLEL_QUERIES:
+            if self.num_tokens >= TRIM_TOKENS:
                 heap.trim()                 # a prefill's freed temporaries leave RSS before the MLP (`heap`)
             return out
         finally:

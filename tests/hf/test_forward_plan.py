@@ -178,17 +178,20 @@ def test_bfloat16_kv_reach_bfloat16_pages_as_their_bits():
         np.testing.assert_array_equal(stored, x[0].transpose(0, 1).float().numpy())
 
 
-def test_prefill_layers_trim_the_heap_decode_steps_do_not(monkeypatch):
-    """A forward of >= PARALLEL_QUERIES real tokens gives malloc's free heap back after each layer's attention
-    (`decode.hf.heap`: its freed temporaries would stay in the peak RSS beside the MLP's); a decode step never."""
+@pytest.mark.parametrize("batch, prompt, trims", [(1, 1024, 3), (4, 256, 3), (1, 1023, 0)])
+def test_prefill_layers_trim_the_heap_decode_steps_do_not(monkeypatch, batch, prompt, trims):
+    """A forward of >= TRIM_TOKENS real tokens (of all its rows) gives malloc's free heap back after each layer's
+    attention (`decode.hf.heap`: its freed temporaries would stay in the peak RSS beside the MLP's); a shorter
+    prefill and a decode step never."""
     from decode.hf import heap, plan
     calls = []
     monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)
     model = build(llama(3), "pagedkv")
-    ids, mask = prompts(1, plan.PARALLEL_QUERIES, seed=5)
-    generate(model, ids, mask, cache=cache_for(model, max_tokens=512, page_size=16), max_new_tokens=3,
-             do_sample=False)
-    assert len(calls) == 3                                       # the prefill's 3 layers; none of the 2 steps
+    assert batch * prompt in (plan.TRIM_TOKENS, plan.TRIM_TOKENS - 1)
+    ids, mask = prompts(batch, prompt, seed=5)
+    generate(model, ids, mask, cache=cache_for(model, max_tokens=batch * (prompt + 64), page_size=16),
+             max_new_tokens=3, do_sample=False)
+    assert len(calls) == trims                                   # the prefill's 3 layers (or none); no step's
 
 
 def test_heap_trim_runs_on_glibc():
