@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 EXTRAS = "test,plot,demo,compare,hf,distributed,serve"
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
-SELF_CONTAINED = "tests/reliability/test_readonly_install.py"      # run in the background chain (`stages`)
+# tests that compile cold into a numba cache of their own (~40-60 s each): run in the background chain (`stages`)
+SELF_CONTAINED = "tests/reliability/test_readonly_install.py"
+FRESH_COMPILE = "tests/decode/test_determinism.py::test_more_threads_than_cores_and_fresh_compile_equals_cache_load"
 
 
 def venv_python() -> Path:
@@ -101,12 +103,13 @@ def stages(extra) -> tuple[list, list]:
     foreground is just `pytest extra` over the workers.
     background: the kernel tests on the reduced grid with NUMBA_BOUNDSCHECK=1 (built at NUMBA_OPT=0) and with
     NUMBA_DISABLE_JIT=1 (each with its own numba cache: bounds-checked code must not be loaded by the other runs),
-    the shared conformance suite, the read-only install test (it compiles into a cache of its own), and the
+    the shared conformance suite, the two tests that compile cold into caches of their own (the read-only install,
+    and the fresh-compile vs cache-load determinism test: deselected from the foreground's kernel tests), and the
     benchmark files once, untimed (so they never rot)."""
     if extra:
         foreground = [Stage("tests", *extra, spread=True)]
     else:
-        foreground = [Stage("kernel tests", "-m", "kernel", "tests"),
+        foreground = [Stage("kernel tests", "-m", "kernel", "tests", f"--deselect={FRESH_COMPILE}"),
                       Stage("tests", "-m", "not kernel", "tests", f"--ignore={SELF_CONTAINED}", spread=True)]
     background = []
     for flag in ("NUMBA_BOUNDSCHECK", "NUMBA_DISABLE_JIT"):
@@ -120,9 +123,10 @@ def stages(extra) -> tuple[list, list]:
     if CONFORMANCE.is_dir():
         background.append(Stage("conformance", "--rootdir", ROOT, CONFORMANCE))
     if not extra:
-        # compiles cold into a cache of its own (~40 s), so it needs nothing of the foreground's: it runs here,
-        # while the foreground's kernel tests still hold one core, not beside the spread stage and the benchmarks
-        background.append(Stage("read-only install", SELF_CONTAINED))
+        # each compiles cold into a cache of its own (~40 s and ~50 s), so they need nothing of the foreground's:
+        # they run here, while the foreground's kernel tests still hold one core, not beside the spread stage and
+        # the benchmarks (the chain was idle ~80 s there, waiting for the foreground's cache)
+        background.append(Stage("self-contained compiles", SELF_CONTAINED, FRESH_COMPILE))
     background.append(Stage("benchmarks", "benchmarks", "--benchmark-disable", "--quick", warm=True))
     return foreground, background
 
