@@ -1,10 +1,11 @@
 """The hand-off between `PagedCache.update` and the "pagedkv" attention call of the same layer.
 
 transformers passes no cache to attention functions, so `update` records ``(cache, layer, key, value)`` in a
-context variable and returns *pending* views of the new K/V (`PendingKV`). The "pagedkv" attention takes the
-real states from the context variable; any other attention (sdpa, eager, flash, a model compiled by dynamo)
-that reads the pending views raises `PagedAttentionRequired` instead of attending over the new tokens alone
-(`update` stores nothing: the history lives in the pool, read only by our kernels).
+context variable and returns *pending* stand-ins of the new K/V (`PendingKV`: their shape and dtype, no data).
+The "pagedkv" attention takes the real states from the context variable; any other attention (sdpa, eager,
+flash, a model compiled by dynamo) that reads the pending stand-ins raises `PagedAttentionRequired` instead of
+attending over the new tokens alone (`update` stores nothing: the history lives in the pool, read only by our
+kernels).
 
     handoff(cache, layer, key, value) -> (pending_key, pending_value)     in PagedCache.update
     take(layer) -> Handoff or None                                        in the "pagedkv" attention call
@@ -57,19 +58,33 @@ class Handoff(NamedTuple):
     layer: int
     key: torch.Tensor            # [B, num_kv_heads, T, head_dim] as the model computed them
     value: torch.Tensor
-    pending_key: torch.Tensor    # the PendingKV views update() returned
+    pending_key: torch.Tensor    # the PendingKV stand-ins update() returned
     pending_value: torch.Tensor
 
 
-def _pending(x: torch.Tensor) -> torch.Tensor:
-    return torch.Tensor._make_subclass(PendingKV, x.detach(), False)
+# (role, shape, dtype, device) -> a PendingKV of that shape holding no data (one element, expanded): made once and
+# handed back by every layer (a new view per layer cost ~20 µs of a decode step's layer, between the model's GEMMs)
+_PENDING = {}
+_MOST_PENDING = 64
+
+
+def _pending(role: str, x: torch.Tensor) -> torch.Tensor:
+    meta = (role, x.shape, x.dtype, x.device)
+    view = _PENDING.get(meta)
+    if view is None:
+        if len(_PENDING) >= _MOST_PENDING:
+            _PENDING.clear()
+        base = torch.empty(1, dtype=x.dtype, device=x.device).expand(x.shape)
+        view = _PENDING[meta] = torch.Tensor._make_subclass(PendingKV, base, False)
+    return view
 
 
 def handoff(cache, layer: int, key: torch.Tensor, value: torch.Tensor):
-    """Record ``layer``'s new states for its attention call; return the pending views to hand back."""
+    """Record ``layer``'s new states for its attention call; return the pending stand-ins to hand back: tensors
+    of their shapes and dtypes that hold no data (the same objects for every layer of a shape)."""
     if torch.compiler.is_compiling():
         _REFUSE_COMPILE()
-    pending = _pending(key), _pending(value)
+    pending = _pending("key", key), _pending("value", value)
     _CURRENT.set(Handoff(cache, layer, key, value, *pending))
     return pending
 

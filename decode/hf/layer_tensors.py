@@ -3,6 +3,7 @@
     check_query(q, batch, width, num_q_heads, head_dim)     ValueError / TypeError naming q's shape or dtype
     check_kv_dtype(name, x)                                 TypeError unless a float tensor
     check_finite(name, x, limit=None, rows=None)            ValueError at a value not finite (or >= limit)
+    arrays_finite(a, b, c) -> bool                          numpy arrays' values finite (one jitted call)
     kv_rows(x, b, columns, bits) -> numpy [n, H, D]        row b's new K or V (real columns only)
     token_rows(x, bits) -> numpy [B, H, D]                  every row's one new K or V (a decode step)
     chunk_view(x, chunk) -> torch [rows, columns, H, D]     a chunk's queries (or output rows), a view
@@ -26,6 +27,11 @@ _F32_MAX = float(np.finfo(np.float32).max)
 # a float dtype's exponent field as a mask of its bits (all ones: inf or NaN), and the integer view of its bits
 _EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
              torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+# the same of numpy arrays as the pool and the kernels take them (bfloat16 as its uint16 bits)
+_ARRAY_BITS = {np.dtype(np.uint16): (np.uint16, np.uint16(0x7F80)),
+               np.dtype(np.float16): (np.uint16, np.uint16(0x7C00)),
+               np.dtype(np.float32): (np.uint32, np.uint32(0x7F800000)),
+               np.dtype(np.float64): (np.uint64, np.uint64(0x7FF0000000000000))}
 
 
 @njit(cache=True, nogil=True)
@@ -38,21 +44,36 @@ def _any_exponent_full(bits, mask):
     return bad != 0
 
 
-def _surely_finite(x: torch.Tensor) -> bool:
-    """True when every element of ``x`` is finite, by one vectorised pass over its bits; False when one is not,
-    or when its strides are not a permutation of a contiguous layout (then the caller tests it in torch). q / k /
+@njit(cache=True, nogil=True)
+def _any_exponent_full3(a, mask_a, b, mask_b, c, mask_c):
+    """`_any_exponent_full` of three arrays in one call (`arrays_finite`)."""
+    return _any_exponent_full(a, mask_a) or _any_exponent_full(b, mask_b) or _any_exponent_full(c, mask_c)
+
+
+def _flat_bits(x: torch.Tensor):
+    """``(bits, mask)``: the elements of ``x`` as a 1-D integer view of their bits (no copy) and the mask of
+    their exponent field, or None when the strides of ``x`` are not a permutation of a contiguous layout. q / k /
     v as transformers hands them over (``[B, T, H, D]`` transposed to ``[B, H, T, D]``, or a range of columns of
-    it) are such permutations: no copy, no temporary (torch's isfinite made a boolean tensor of each, 2-3 ms a
-    layer of a 512-token bfloat16 prefill)."""
-    if x.numel() == 0:
-        return True
+    it) are such permutations."""
     view, mask = _EXPONENT[x.dtype]
     bits = x.detach().view(view).numpy()
-    order = sorted(range(bits.ndim), key=lambda a: (bits.strides[a], bits.shape[a]), reverse=True)
-    flat = bits.transpose(order)
-    if not flat.flags.c_contiguous:
-        return False
-    return not _any_exponent_full(flat.reshape(-1), flat.dtype.type(mask))
+    if not x.is_contiguous():
+        order = sorted(range(bits.ndim), key=lambda a: (bits.strides[a], bits.shape[a]), reverse=True)
+        bits = bits.transpose(order)
+        if not bits.flags.c_contiguous:
+            return None
+    return bits.reshape(-1), bits.dtype.type(mask)
+
+
+def _surely_finite(x: torch.Tensor) -> bool:
+    """True when every element of ``x`` is finite, by one vectorised pass over its bits (`_flat_bits`); False
+    when one is not, or when its layout is not one `_flat_bits` takes (then the caller tests it in torch). No
+    copy, no temporary (torch's isfinite made a boolean tensor of each, 2-3 ms a layer of a 512-token bfloat16
+    prefill)."""
+    if x.numel() == 0:
+        return True
+    flat = _flat_bits(x)
+    return flat is not None and not _any_exponent_full(*flat)
 
 
 def check_query(q, batch: int, width: int, num_q_heads: int, head_dim: int) -> None:
@@ -89,6 +110,20 @@ def check_finite(name: str, x: torch.Tensor, limit: float | None = None, rows=No
         _check_part(name, x[b:b + 1], b, columns, limit)
 
 
+def arrays_finite(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> bool:
+    """True when every value of three numpy arrays (float16 / float32 / float64, or bfloat16 bits as uint16) is
+    finite, in one jitted call; False when one is not, or when an array is not C-contiguous (then the caller
+    tests the tensors with `check_finite`, which names the value). A decode step's q, k and v."""
+    if not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous):
+        return False
+    return not _any_exponent_full3(*_array_bits(a), *_array_bits(b), *_array_bits(c))
+
+
+def _array_bits(a: np.ndarray):
+    view, mask = _ARRAY_BITS[a.dtype]
+    return a.reshape(-1).view(view), mask
+
+
 def _check_part(name, x, b, columns, limit) -> None:
     """The ``columns`` of ``x [rows, H, T, D]``, whose first row is row ``b``."""
     if isinstance(columns, torch.Tensor):
@@ -119,13 +154,14 @@ def kv_rows(x: torch.Tensor, b: int, columns, bits: bool) -> np.ndarray:
 
 
 def token_rows(x: torch.Tensor, bits: bool) -> np.ndarray:
-    """The one new column of every row, ``x [B, H, 1, D]`` -> ``[B, H, D]``, as `kv_rows` converts it."""
-    return _as_pool_rows(x[:, :, 0], bits)
+    """The one new column of every row, ``x [B, H, 1, D]`` -> ``[B, H, D]``, as `kv_rows` converts it (the
+    column taken in numpy: a torch index costs several times more)."""
+    return _as_pool_rows(x, bits)[:, :, 0]
 
 
 def _as_pool_rows(rows: torch.Tensor, bits: bool) -> np.ndarray:
     if bits:
-        return rows.view(torch.int16).numpy().view(np.uint16)
+        return rows.view(torch.uint16).numpy()
     if rows.dtype in _NUMPY:
         return rows.numpy()
     return rows.to(torch.float32).numpy()

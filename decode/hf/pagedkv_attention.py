@@ -30,6 +30,18 @@ _REFUSED_KWARGS = {
 }
 
 
+def _flag(module, name: str, default: bool):
+    """``getattr(module, name, default)`` for a plain attribute of the module or its class, without
+    `torch.nn.Module.__getattr__`'s search and exception when neither has it (~2 µs a miss, per layer)."""
+    found = module.__dict__.get(name, _MISSING)
+    if found is not _MISSING:
+        return found
+    return getattr(module, name) if hasattr(type(module), name) else default     # a class attribute or property
+
+
+_MISSING = object()
+
+
 def _outputs_attentions(kwargs) -> bool:
     if kwargs.get("output_attentions"):
         return True
@@ -39,13 +51,14 @@ def _outputs_attentions(kwargs) -> bool:
 
 def _refuse(module, query, key, attention_mask, dropout, kwargs) -> None:
     """UnsupportedFeatureError naming the first feature of this call the kernels cannot compute exactly."""
-    for name, feature in _REFUSED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise UnsupportedFeatureError(f"{name}: pagedkv computes plain softmax attention, got {feature}")
+    if not _REFUSED_KWARGS.keys().isdisjoint(kwargs):
+        for name, feature in _REFUSED_KWARGS.items():
+            if kwargs.get(name) is not None:
+                raise UnsupportedFeatureError(f"{name}: pagedkv computes plain softmax attention, got {feature}")
     if _outputs_attentions(kwargs):
         raise UnsupportedFeatureError("output_attentions=True: the kernels never form the attention weights "
                                       "(use attn_implementation='eager' to inspect them)")
-    if getattr(module, "is_cross_attention", False) or not getattr(module, "is_causal", True) \
+    if _flag(module, "is_cross_attention", False) or not _flag(module, "is_causal", True) \
             or key.shape[2] != query.shape[2]:
         raise UnsupportedFeatureError("cross-attention / non-causal attention: pagedkv attends causally over the "
                                       "cached self-attention K/V only")
@@ -65,7 +78,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     """Attention of one layer through the paged pool (registered as "pagedkv")."""
     layer = getattr(module, "layer_idx", None)
     given = handoff.take(layer)
-    check_supported(module.config)
+    if given is None or layer == 0:    # later layers of a forward: the cache checked the config at layer 0
+        check_supported(module.config)
     if given is None or key is not given.pending_key or value is not given.pending_value:
         raise TypeError(f"past_key_values: attn_implementation='pagedkv' expected a decode.hf.PagedCache whose "
                         f"update() ran for layer {layer} just before and handed over these K/V, got "

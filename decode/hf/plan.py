@@ -32,6 +32,7 @@ from decode.attention_plan import AttentionPlan, pools_of, raise_released, route
 from decode.kernels.input_check import CheckCode, check_inputs
 
 from . import heap, layer_tensors, query_chunks
+from .token_column import TokenColumn
 
 # forwards with at least this many real queries (prefills) run the kernel on numba's threads: long enough that
 # torch's spinning OpenMP threads have gone idle (measured: a 4096-token prefill on 2 cores 16.2 s single-threaded
@@ -58,7 +59,8 @@ class ForwardPlan:
     pool : kvcache.KVCache       the shared pool
     seqs : list[int]             the pool sequence of each batch row
     new_real : bool [B, T]
-    kernel_threads : int or None numba threads for forwards of fewer than `PARALLEL_QUERIES` real tokens
+    kernel_threads : int or None numba threads for forwards of fewer than `PARALLEL_QUERIES` real tokens (set
+                                 at the first layer, given back at `commit` / `rollback`)
     token_ids : int [B, T] or None   the columns' token ids (prefix caching registers the real ones)
 
     Attributes: ``num_tokens`` (N), ``plans_made`` (`AttentionPlan`s built: one per chunk and window).
@@ -88,6 +90,9 @@ class ForwardPlan:
         self._plans = {}                  # window -> [(chunk, AttentionPlan)]
         self._shape = None                # (num_q_heads, head_dim) of the first layer's q: the plans'
         self._most = 0                    # queries of the largest chunk (its q / out buffers, made per layer)
+        self._small = [None, None]        # the q / out buffers when small: kept for the forward (`_buffer`)
+        self._threads = None              # numba's thread count before this forward set the kernel's
+        self._column = None               # a decode step's `TokenColumn` (one column per row, one chunk)
 
     # -- planning (once per forward) --------------------------------------------------------------------------
     def _tables(self, counts, upto) -> None:
@@ -105,6 +110,7 @@ class ForwardPlan:
             columns = slice(lo, hi) if hi - lo == len(real) else torch.from_numpy(real)
             self.kv_rows.append((int(b), self.seqs[b], columns))
         self.padded = not bool(self.new_real.all())
+        self.pad_first = bool(self.first.any())                              # pad queries before a first token
 
     def _check_tables(self, window: int) -> None:
         """The page tables against the pool and the positions against the tables (`check_inputs`, no q), once per
@@ -150,6 +156,8 @@ class ForwardPlan:
                                          num_q_heads // cfg.num_kv_heads, self.compute.itemsize, single=single)
         self._chunks = query_chunks.chunks(self.first, self.width, limit)
         self._most = max(((b1 - b0) * (t1 - t0) for b0, b1, t0, t1, _ in self._chunks), default=0)
+        if self.one_each and len(self._chunks) == 1:
+            self._column = TokenColumn(self.batch, num_q_heads, cfg.head_dim, dv, self.compute)
 
     # -- one layer --------------------------------------------------------------------------------------------
     def run_layer(self, layer: int, query, key, value, scale, window: int) -> torch.Tensor:
@@ -159,23 +167,30 @@ class ForwardPlan:
         raises before anything is written."""
         if self._shape is None:
             self._first_layer(query)
-        scale = self._check_layer(query, key, value, scale)
-        threads = numba.get_num_threads()
-        if self.kernel_threads is not None and self.num_tokens < PARALLEL_QUERIES:
+        self._check_shapes(query, key, value)
+        if self._column is not None:                                   # a decode step: checked in one call
+            q = self._column.query(query)
+            k, v = self._token_kv(key, value)
+            if not layer_tensors.arrays_finite(q, k, v):
+                self._check_finite(query, key, value)                  # names the value
+        else:
+            self._check_finite(query, key, value)
+        scale = self._scale(scale)
+        if self._threads is None and self.kernel_threads is not None and self.num_tokens < PARALLEL_QUERIES:
+            self._threads = numba.get_num_threads()     # given back at commit / rollback (`_restore_threads`)
             numba.set_num_threads(min(self.kernel_threads, numba.config.NUMBA_NUM_THREADS))
-        try:
-            plans = self._plan(window)
-            self._write(layer, key, value)
-            out = self._attend(plans, layer, query, scale, window)
-            if self.num_tokens >= TRIM_TOKENS:
-                heap.trim()                 # a prefill's freed temporaries leave RSS before the MLP (`heap`)
-            return out
-        finally:
-            numba.set_num_threads(threads)
+        plans = self._plan(window)
+        if self._column is not None:
+            self._write_token(layer, key, value, k, v)
+            return self._attend_column(plans[0][1], layer, q, query.dtype, scale, window)
+        self._write(layer, key, value)
+        out = self._attend(plans, layer, query, scale, window)
+        if self.num_tokens >= TRIM_TOKENS:
+            heap.trim()                     # a prefill's freed temporaries leave RSS before the MLP (`heap`)
+        return out
 
-    def _check_layer(self, query, key, value, scale) -> float:
-        """What changes between layers: the tensors' shapes and dtypes, their values finite (q: in the compute
-        dtype too), the scale. Returns the scale (1 / sqrt(head_dim) for None)."""
+    def _check_shapes(self, query, key, value) -> None:
+        """What may change between layers: the tensors' shapes and dtypes."""
         cfg = self.pool.config
         num_q_heads, head_dim = self._shape
         layer_tensors.check_query(query, self.batch, self.width, num_q_heads, head_dim)
@@ -184,32 +199,48 @@ class ForwardPlan:
             if tuple(x.shape) != (self.batch, cfg.num_kv_heads, self.width, dim):
                 raise ValueError(f"{name}: expected shape [batch, num_kv_heads, new, head_dim] = "
                                  f"{(self.batch, cfg.num_kv_heads, self.width, dim)}, got {tuple(x.shape)}")
+
+    def _check_finite(self, query, key, value) -> None:
+        """ValueError naming the first value of q, k or v (its real rows) that is not finite (q: or that overflows
+        the float32 compute dtype)."""
         narrowing = query.dtype == torch.float64 and self.compute == np.float32
         layer_tensors.check_finite("query", query, _F32_LIMIT if narrowing else None)
         rows = [(b, columns) for b, _, columns in self.kv_rows] if self.padded else None
         layer_tensors.check_finite("key", key, rows=rows)
         layer_tensors.check_finite("value", value, rows=rows)
+
+    def _scale(self, scale) -> float:
+        """The scale (1 / sqrt(head_dim) for None), checked."""
         if scale is None:
-            return 1.0 / math.sqrt(head_dim)
+            return 1.0 / math.sqrt(self._shape[1])
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0.0 < scale < math.inf:
             raise ValueError(f"scaling: expected a finite float > 0 (or None), got {scale!r}")
         return float(scale)
 
+    def _token_kv(self, key, value) -> tuple:
+        """A decode step's new K and V of every row ``[B, H, D]`` as the pool takes them (bfloat16 into bfloat16
+        pages: their bits)."""
+        bits = self.pool.config.storage == "bfloat16"
+        return (layer_tensors.token_rows(key, bits and key.dtype == torch.bfloat16),
+                layer_tensors.token_rows(value, bits and value.dtype == torch.bfloat16))
+
+    def _write_token(self, layer: int, key, value, k, v) -> None:
+        """A decode step's ``k, v [B, H, D]`` (`_token_kv`, checked finite) into the transaction: one write of
+        every row; the pool casts to its storage and refuses values that overflow it."""
+        storage = self.pool.config.storage
+        # bfloat16 bits, or already the pool's own float dtype: nothing for the pool's check to cast or refuse
+        same = _PLAIN.get(storage) is key.dtype and key.dtype is value.dtype
+        if not (k.dtype == np.uint16 and v.dtype == np.uint16) and not same:
+            k, v = self.pool.pool.check_kv(k, v, self.batch, layered=False)
+        self.tx.write(layer, k, v)
+
     def _write(self, layer: int, key, value) -> None:
         """Every row's real new K/V into the transaction (checked: finite above; the pool casts to its storage and
         refuses values that overflow it)."""
-        storage = self.pool.config.storage
-        bits = storage == "bfloat16"
-        if self.one_each:                                                      # k, v [B, H, D]: one write
-            k_bits, v_bits = bits and key.dtype == torch.bfloat16, bits and value.dtype == torch.bfloat16
-            k, v = layer_tensors.token_rows(key, k_bits), layer_tensors.token_rows(value, v_bits)
-            # already checked (`_check_layer`: shapes, finite; no padding in a decode step) and in the pool's own
-            # float dtype: nothing for the pool's check to cast or refuse
-            same = _PLAIN.get(storage) is key.dtype and key.dtype is value.dtype
-            if not (k_bits and v_bits) and not same:
-                k, v = self.pool.pool.check_kv(k, v, self.batch, layered=False)
-            self.tx.write(layer, k, v)
+        if self.one_each:
+            self._write_token(layer, key, value, *self._token_kv(key, value))
             return
+        bits = self.pool.config.storage == "bfloat16"
         for b, seq, columns in self.kv_rows:
             k_bits, v_bits = bits and key.dtype == torch.bfloat16, bits and value.dtype == torch.bfloat16
             k = layer_tensors.kv_rows(key, b, columns, k_bits)
@@ -219,13 +250,11 @@ class ForwardPlan:
     def _attend(self, plans: list, layer: int, query, scale: float, window: int) -> torch.Tensor:
         num_q_heads = self._shape[0]
         dv = self.pool.config.head_dim_v
-        out_t = (torch.zeros if self.first.any() else torch.empty)((self.batch, self.width, num_q_heads, dv),
-                                                                    dtype=query.dtype)      # [B, T, Hq, Dv]
+        out_t = (torch.zeros if self.pad_first else torch.empty)((self.batch, self.width, num_q_heads, dv),
+                                                                 dtype=query.dtype)         # [B, T, Hq, Dv]
         direct_out = out_t.dtype == _TORCH[self.compute]
-        # q / out copies in the compute dtype: made for this layer only and given back to the OS after it (a
-        # forward's buffers held across its layers add to the peak of the model's own activations)
         q_buf = None
-        out_buf = None if direct_out else query_chunks.scratch((self._most, num_q_heads, dv), self.compute)
+        out_buf = None if direct_out else self._buffer(1, (self._most, num_q_heads, dv))
         pools = self.pools
         k_run, v_run, k_scales, v_scales = (pools.k_run[layer], pools.v_run[layer], pools.k_scales[layer],
                                             pools.v_scales[layer])
@@ -236,7 +265,7 @@ class ForwardPlan:
                 q = q_view.numpy().reshape(n, num_q_heads, -1)
             else:
                 if q_buf is None:
-                    q_buf = query_chunks.scratch((self._most,) + self._shape, self.compute)
+                    q_buf = self._buffer(0, (self._most,) + self._shape)
                 q = q_buf[:n]
                 torch.from_numpy(q).view(q_view.shape).copy_(q_view)
             o_view = layer_tensors.chunk_view(out_t, chunk, False)                          # [rows, cols, Hq, Dv]
@@ -246,9 +275,38 @@ class ForwardPlan:
                 o_view.copy_(torch.from_numpy(out).view(o_view.shape))
         return out_t
 
+    def _attend_column(self, plan, layer: int, q, dtype, scale: float, window: int) -> torch.Tensor:
+        """A decode step's attention (`TokenColumn`): ``q [B, Hq, D]`` in the compute dtype, out ``[B, 1, Hq, Dv]``
+        in ``dtype``."""
+        pools, column = self.pools, self._column
+        out = column.output(dtype)
+        plan.run(q, pools.k_run[layer], pools.v_run[layer], self.page_indices, self.page_indptr, scale, window,
+                 out, pools.k_scales[layer], pools.v_scales[layer])
+        return column.result(out, dtype)
+
+    def _buffer(self, which: int, shape: tuple) -> np.ndarray:
+        """The q (``which`` 0) or output (1) copies in the compute dtype. Large ones are made for one layer and
+        given back to the OS after it (a forward's buffers held across its layers add to the peak of the model's
+        own activations); small ones (a decode step's) are made once and kept for the forward."""
+        nbytes = math.prod(shape) * self.compute.itemsize
+        if nbytes >= query_chunks.SCRATCH_MMAP_BYTES:
+            return query_chunks.scratch(shape, self.compute)
+        if self._small[which] is None or self._small[which].shape != shape:
+            self._small[which] = np.empty(shape, self.compute)
+        return self._small[which]
+
     def commit(self) -> None:
+        self._restore_threads()
         self.tx.commit()
 
     def rollback(self) -> None:
+        self._restore_threads()
         self.tx.rollback()
+
+    def _restore_threads(self) -> None:
+        """numba's thread count as it was before the first layer: the kernel's count holds for the whole forward
+        (setting it per layer cost ~40 µs a layer of a decode step, between the model's GEMMs)."""
+        if self._threads is not None:
+            threads, self._threads = self._threads, None
+            numba.set_num_threads(threads)
 
