@@ -37,7 +37,13 @@ def make_cache(impl, model, args, max_len):
     if impl == "static":
         return StaticCache(config=model.config, max_cache_len=max_len)
     kwargs = {} if args.storage == "auto" else {"dtype": args.storage}
+    if impl.startswith("paged-t"):                      # "paged-t2": the kernel on 2 numba threads
+        kwargs["kernel_threads"] = int(impl[len("paged-t"):])
     return PagedCache(model.config, max_tokens=args.batch * (max_len + 128), page_size=64, **kwargs)
+
+
+def attn_implementation(impl: str) -> str:
+    return IMPLS["paged" if impl.startswith("paged") else impl]
 
 
 def table(rows: list[dict]) -> str:
@@ -70,7 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--impls", default="dynamic,paged", help="caches side by side: dynamic,static,paged")
+    p.add_argument("--impls", default="dynamic,paged", help="caches side by side: dynamic,static,paged (paged-tN: "
+                                                             "PagedCache(kernel_threads=N))")
     p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--storage", default="float32", help="PagedCache pages: float32 | float16 | bfloat16 | auto")
     p.add_argument("--prefill-repeats", type=int, default=1,
@@ -117,7 +124,7 @@ def main(argv=None) -> int:
 
     def forward(impl, tokens, which=None):
         which = model if which is None else which
-        which.set_attn_implementation(IMPLS[impl])
+        which.set_attn_implementation(attn_implementation(impl))
         with torch.no_grad():
             return which(input_ids=tokens, past_key_values=caches[impl], use_cache=True, logits_to_keep=1).logits
 
