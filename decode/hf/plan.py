@@ -103,14 +103,24 @@ class ForwardPlan:
         rows = np.flatnonzero(attends.reshape(-1))                             # [Q] into B * T, row order
         self.query_seq = (rows // self.width).astype(np.int32)                 # [Q]
         self.query_pos = upto.reshape(-1)[rows] - 1                            # [Q] its last real key
-        self.kv_rows = []                                                      # (b, seq, columns) with tokens
-        for b in np.flatnonzero(counts):
-            real = np.flatnonzero(self.new_real[b])
-            lo, hi = int(real[0]), int(real[-1]) + 1
-            columns = slice(lo, hi) if hi - lo == len(real) else torch.from_numpy(real)
-            self.kv_rows.append((int(b), self.seqs[b], columns))
+        self._counts, self._kv_rows = counts, None
         self.padded = not bool(self.new_real.all())
         self.pad_first = bool(self.first.any())                              # pad queries before a first token
+
+    @property
+    def kv_rows(self) -> list:
+        """``[(b, seq, columns)]`` of the rows with new tokens: ``columns`` a slice of the real columns, or an int64
+        index tensor when pads lie between them. Made at first use (a decode step writes every row at once and
+        never asks)."""
+        if self._kv_rows is None:
+            rows = []
+            for b in np.flatnonzero(self._counts):
+                real = np.flatnonzero(self.new_real[b])
+                lo, hi = int(real[0]), int(real[-1]) + 1
+                columns = slice(lo, hi) if hi - lo == len(real) else torch.from_numpy(real)
+                rows.append((int(b), self.seqs[b], columns))
+            self._kv_rows = rows
+        return self._kv_rows
 
     def _check_tables(self, window: int) -> None:
         """The page tables against the pool and the positions against the tables (`check_inputs`, no q), once per
