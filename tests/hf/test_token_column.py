@@ -2,7 +2,9 @@
 output buffers kept for the forward). Every model dtype, in place (a contiguous float32 q on float32-compute
 pages) or copied (bfloat16 / float16 / float64 q, a strided q), against the float64 reference over the stored
 history; each layer's output keeps its values after later layers run (no buffer behind a returned tensor); a
-non-finite q / k / v (or a float64 q that overflows float32) is named at its index before its layer writes."""
+non-finite q / k / v (or a float64 q that overflows float32) is named at its index before its layer writes; the
+kernel's thread count holds for the whole forward and is given back at its commit or rollback."""
+import numba
 import numpy as np
 import pytest
 import torch
@@ -99,3 +101,22 @@ def test_a_bad_value_in_a_decode_step_is_named_before_its_layer_writes(pages, dt
     assert all(np.array_equal(a, b) for a, b in zip(before, (pool.pool.k_pages(1), pool.pool.v_pages(1))))
     plan.rollback()
     assert [pool.length(s) for s in seqs] == [HISTORY] * ROWS
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads to tell the counts apart")
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+def test_the_kernel_thread_count_holds_for_the_forward_and_is_given_back(end):
+    """`kernel_threads` is set at a forward's first layer (not per layer) and numba's count is given back when the
+    forward commits or rolls back."""
+    pool, seqs = filled("float32", torch.float32)
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        plan = ForwardPlan(pool, seqs, np.ones((ROWS, 1), dtype=bool), kernel_threads=1)
+        for layer in range(LAYERS):
+            plan.run_layer(layer, *tensors(1, 60 + layer, torch.float32), None, 0)
+            assert numba.get_num_threads() == 1
+        getattr(plan, end)()
+        assert numba.get_num_threads() == 2
+    finally:
+        numba.set_num_threads(before)
