@@ -32,7 +32,7 @@ from decode.attention_plan import AttentionPlan, pools_of, raise_released, route
 from decode.kernels.input_check import CheckCode, check_inputs
 
 from . import heap, layer_tensors, query_chunks
-from .token_column import TokenColumn
+from .token_column import TORCH_OF, TokenColumn
 
 # forwards with at least this many real queries (prefills) run the kernel on numba's threads: long enough that
 # torch's spinning OpenMP threads have gone idle (measured: a 4096-token prefill on 2 cores 16.2 s single-threaded
@@ -47,7 +47,6 @@ TRIM_TOKENS = 1024
 
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
 _NO_Q = np.zeros(0, dtype=np.float32)
-_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 _PLAIN = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}   # storage -> same dtype
 
 
@@ -90,7 +89,6 @@ class ForwardPlan:
         self._plans = {}                  # window -> [(chunk, AttentionPlan)]
         self._shape = None                # (num_q_heads, head_dim) of the first layer's q: the plans'
         self._most = 0                    # queries of the largest chunk (its q / out buffers, made per layer)
-        self._small = [None, None]        # the q / out buffers when small: kept for the forward (`_buffer`)
         self._threads = None              # numba's thread count before this forward set the kernel's
         self._column = None               # a decode step's `TokenColumn` (one column per row, one chunk)
 
@@ -262,20 +260,22 @@ class ForwardPlan:
         dv = self.pool.config.head_dim_v
         out_t = (torch.zeros if self.pad_first else torch.empty)((self.batch, self.width, num_q_heads, dv),
                                                                  dtype=query.dtype)         # [B, T, Hq, Dv]
-        direct_out = out_t.dtype == _TORCH[self.compute]
+        direct_out = out_t.dtype == TORCH_OF[self.compute]
+        # q / out copies in the compute dtype: made for this layer only and given back to the OS after it (a
+        # forward's buffers held across its layers add to the peak of the model's own activations)
         q_buf = None
-        out_buf = None if direct_out else self._buffer(1, (self._most, num_q_heads, dv))
+        out_buf = None if direct_out else query_chunks.scratch((self._most, num_q_heads, dv), self.compute)
         pools = self.pools
         k_run, v_run, k_scales, v_scales = (pools.k_run[layer], pools.v_run[layer], pools.k_scales[layer],
                                             pools.v_scales[layer])
         for chunk, plan in plans:
             n = plan.out_shape[0]
             q_view = layer_tensors.chunk_view(query, chunk, True)                          # [rows, cols, Hq, D]
-            if q_view.dtype == _TORCH[self.compute] and q_view.is_contiguous():
+            if q_view.dtype == TORCH_OF[self.compute] and q_view.is_contiguous():
                 q = q_view.numpy().reshape(n, num_q_heads, -1)
             else:
                 if q_buf is None:
-                    q_buf = self._buffer(0, (self._most,) + self._shape)
+                    q_buf = query_chunks.scratch((self._most,) + self._shape, self.compute)
                 q = q_buf[:n]
                 torch.from_numpy(q).view(q_view.shape).copy_(q_view)
             o_view = layer_tensors.chunk_view(out_t, chunk, False)                          # [rows, cols, Hq, Dv]
@@ -293,17 +293,6 @@ class ForwardPlan:
         plan.run(q, pools.k_run[layer], pools.v_run[layer], self.page_indices, self.page_indptr, scale, window,
                  out, pools.k_scales[layer], pools.v_scales[layer])
         return column.result(out, dtype)
-
-    def _buffer(self, which: int, shape: tuple) -> np.ndarray:
-        """The q (``which`` 0) or output (1) copies in the compute dtype. Large ones are made for one layer and
-        given back to the OS after it (a forward's buffers held across its layers add to the peak of the model's
-        own activations); small ones (a decode step's) are made once and kept for the forward."""
-        nbytes = math.prod(shape) * self.compute.itemsize
-        if nbytes >= query_chunks.SCRATCH_MMAP_BYTES:
-            return query_chunks.scratch(shape, self.compute)
-        if self._small[which] is None or self._small[which].shape != shape:
-            self._small[which] = np.empty(shape, self.compute)
-        return self._small[which]
 
     def commit(self) -> None:
         self._restore_threads()

@@ -17,7 +17,7 @@ import torch
 
 from . import layer_tensors
 
-_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+TORCH_OF = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}   # compute dtype -> torch
 
 
 class TokenColumn:
@@ -33,7 +33,7 @@ class TokenColumn:
     def query(self, query: torch.Tensor) -> np.ndarray:
         """q ``[B, Hq, D]`` in the compute dtype: a view of a contiguous query of that dtype, else a copy in the
         forward's buffer (which the next layer overwrites)."""
-        if query.dtype is _TORCH.get(self.compute) and query.is_contiguous():
+        if query.dtype is TORCH_OF.get(self.compute) and query.is_contiguous():
             return query.numpy().reshape(self._q.shape)
         self._q_in.copy_(query)
         return self._q
@@ -41,7 +41,7 @@ class TokenColumn:
     def output(self, dtype: torch.dtype) -> np.ndarray:
         """The kernel's output ``[B, Hq, Dv]`` for a layer whose output is in ``dtype``: a new array when that is
         the compute dtype (the layer's tensor is then a view of it), else the forward's buffer."""
-        return np.empty_like(self._out) if dtype is _TORCH.get(self.compute) else self._out
+        return np.empty_like(self._out) if dtype is TORCH_OF.get(self.compute) else self._out
 
     def result(self, out: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """The layer's ``[B, 1, Hq, Dv]`` output in ``dtype`` from `output`'s array (a new tensor each layer: the
