@@ -204,11 +204,12 @@ class TilePlan:
     ``keys`` visible keys over their queries (`units.find_runs`): tiles of ``tokens`` queries, each tile's keys
     cut at absolute multiples of ``split`` (`units.plan_tiles`), serial or on all threads."""
 
-    __slots__ = ("runs", "serial", "tokens", "units", "bounds", "items", "parts", "slots", "acc0")
+    __slots__ = ("runs", "serial", "tokens", "units", "bounds", "items", "parts", "slots", "acc0", "dot")
 
     def __init__(self, runs, keys, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, acc0, *, mode=0,
                  split_tokens=0):
         self.runs, self.acc0 = runs, acc0
+        self.dot = bf16_dot.tile_mode()
         group = num_q_heads // num_kv_heads
         self.tokens = tokens = max(1, TILE_ROWS // group)
         nthreads = numba.get_num_threads()
@@ -225,10 +226,10 @@ class TilePlan:
         if self.serial:
             return tiled_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, self.runs,
                                 self.units, self.items, self.parts, self.slots, window, scale, TILE_BLOCK,
-                                self.tokens, out, self.acc0)
+                                self.tokens, out, self.acc0, self.dot)
         return tiled_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, self.runs,
                               self.units, self.bounds, self.items, self.parts, self.slots, window, scale, TILE_BLOCK,
-                              self.tokens, out, self.acc0)
+                              self.tokens, out, self.acc0, self.dot)
 
 
 class AttentionPlan:

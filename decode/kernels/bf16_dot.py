@@ -75,6 +75,12 @@ def plan_mode() -> int:
     return MODE if HOST else 0
 
 
+def tile_mode() -> int:
+    """The tiled kernel's choice (`pair_scores`): 1 (scores over bfloat16 pairs for tiles whose q is exactly
+    bfloat16) where the plan's mode takes vdpbf16ps (1 or 2), else 0 (the widened path)."""
+    return 1 if plan_mode() in (1, 2) else 0
+
+
 def padded(head_dim: int) -> int:
     """Elements per part in a query buffer: head_dim rounded up to whole vectors."""
     return -(-head_dim // LANES) * LANES
@@ -340,6 +346,14 @@ if JIT:
         """vdpbf16ps by `_dp_pairs` (both operands bfloat16)."""
         pairs = _dp_pairs(builder)
         return lambda acc, q, k: pairs(acc, bf16_pairs_ir(builder, builder.bitcast(q, _I32X)), k)
+
+    I16X = _I16X
+
+    def vdpbf16ps_ir(builder, native=HOST):
+        """``dp(acc, a, b)``: acc (<16 x float>) plus the pairwise products of a and b (<32 x i16> bfloat16 bits),
+        the odd product added first: `vdpbf16ps` where the target has avx512bf16, else its emulation (a shift, a
+        mask and two FMAs; the same sums). For the other kernels' register blocks (`gemm.gemm_strip_bf`)."""
+        return (_dp_native if native else _dp_emulated)(builder)
 
     def _make_dot_bf(ng, nt, native):
         def typer(typingctx, qb, g, parts, kp, t, n, last):

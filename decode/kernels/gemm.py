@@ -83,10 +83,43 @@ def gemm_strip(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init, rsc, sc, mx, imax)
         gemm4(A, a_rs, a_cs, i, B, c0, C, nk, nv, init, rsc, sc, mx, imax)
 
 
+def _widen_bits(bits):
+    """bfloat16 bits (int16 / uint16) -> float32, exactly."""
+    return (bits.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def gemm_strip_bf(A, a_rs, i0, i1, B, c0, C, nk, nv, init, sc, mx, imax):
+    """C[i, c0 : c0 + nv * 16] = sum_{p < nk} A_flat[i * a_rs + 2p + e] * B[p, 2 * (c0 + j) + e] (e = 0, 1) for i0 <=
+    i < i1: the score GEMM over bfloat16 pairs (`vdpbf16ps`). A int16 bfloat16 bits (key rows: a pair is two
+    adjacent elements of a row), B int16 [nk.., 2 * cols] (row p: each column's pair p, even element first), C
+    float32. Always fresh (summed from zero in chunks of KCHUNK / 2 pairs, each added into C); init's SCALE and
+    COLMAX as for `gemm_strip`. Each step adds the odd product, then the even one, to the float32 sum (the
+    instruction's order; each product of two bfloat16 is exact). NumPy twin (the JIT: LLVM IR, `vdpbf16ps` where
+    the CPU has avx512bf16, else its emulation by a shift, a mask and two FMAs: the same sums)."""
+    n = nv * 16
+    flat = A.reshape(-1)
+    rows = np.stack([_widen_bits(flat[i * a_rs:i * a_rs + 2 * nk]) for i in range(i0, i1)])
+    b = _widen_bits(np.ascontiguousarray(B[:nk, 2 * c0:2 * (c0 + n)])).reshape(nk, n, 2)
+    out = C[i0:i1, c0:c0 + n]
+    half = KCHUNK // 2
+    for p0 in range(0, max(nk, 1), half):
+        acc = np.zeros((i1 - i0, n), np.float32)
+        for p in range(p0, min(nk, p0 + half)):
+            acc = acc + rows[:, 2 * p + 1, None] * b[p, :, 1]
+            acc = acc + rows[:, 2 * p, None] * b[p, :, 0]
+        out[:] = acc if p0 == 0 else out + acc
+    if init & SCALE:
+        out *= np.float32(sc)
+    if init & COLMAX:
+        for a in range(min(i1 - i0, imax - i0)):
+            mx[c0:c0 + n] = np.maximum(mx[c0:c0 + n], out[a])
+
+
 if JIT:
     from llvmlite import ir as _ir
     from numba.core import cgutils as _cg
 
+    from . import bf16_dot
     from .simd import vload_ir
 
     _I64 = _ir.IntType(64)
@@ -96,6 +129,38 @@ if JIT:
     def _data_and_cols(context, builder, aryty, arr):
         ary = context.make_array(aryty)(context, builder, arr)
         return ary.data, _cg.unpack_tuple(builder, ary.shape, 2)[1]
+
+    def _store_chunk(builder, c_ptrs, slots, k0, narrow, ct, zero):
+        """A chunk's sums into C (the first chunk stores, the others add; a narrower C takes the one rounded
+        sum), and the accumulators zeroed for the next chunk."""
+        first = builder.icmp_signed("==", k0, _ir.Constant(_I64, 0))
+        for p, sl in zip(c_ptrs, slots):
+            x = builder.load(sl)
+            if narrow:
+                builder.store(builder.fptrunc(x, ct), p, align=4)
+            else:
+                x = builder.select(first, x, builder.fadd(builder.load(p, align=4), x))
+                builder.store(x, p, align=4)
+                builder.store(zero, sl)
+
+    def _epilogue(builder, flag, c_ptrs, sc_, mx_data, c0_, i0_, imax_, nv, mr, L, ct, bcast):
+        """SCALE: the finished C block times sc; COLMAX: its rows below imax folded into the column maxima mx."""
+        with builder.if_then(flag(SCALE)):
+            scv = bcast(sc_, ct)
+            for p in c_ptrs:
+                builder.store(builder.fmul(builder.load(p, align=4), scv), p, align=4)
+        with builder.if_then(flag(COLMAX)):
+            for v in range(nv):
+                mp = builder.bitcast(builder.gep(mx_data, [builder.add(c0_, _ir.Constant(_I64, v * L))]),
+                                     ct.as_pointer())
+                mv = builder.load(mp, align=4)
+                for a in range(mr):
+                    x = builder.load(c_ptrs[a * nv + v], align=4)
+                    ok = builder.icmp_signed("<", builder.add(i0_, _ir.Constant(_I64, a)), imax_)
+                    take = builder.and_(bcast(ok, _ir.VectorType(_ir.IntType(1), L)),
+                                        builder.fcmp_ordered(">", x, mv))
+                    mv = builder.select(take, x, mv)
+                builder.store(mv, mp, align=4)
 
     def _make_gemm(nv, mr=MR):
         def typer(typingctx, A, a_rs, a_cs, i0, B, c0, C, nk, init, rsc, sc, mx, imax):
@@ -179,37 +244,107 @@ if JIT:
                             for v in range(nv):
                                 sl = slots[a * nv + v]
                                 builder.store(builder.call(fma, [xv, bv[v], builder.load(sl)]), sl)
-                    first = builder.icmp_signed("==", k0, _ir.Constant(_I64, 0))
-                    for p, sl in zip(c_ptrs, slots):
-                        x = builder.load(sl)
-                        if narrow:
-                            builder.store(builder.fptrunc(x, ct), p, align=4)
-                        else:
-                            x = builder.select(first, x, builder.fadd(builder.load(p, align=4), x))
-                            builder.store(x, p, align=4)
-                            builder.store(zero, sl)
-                with builder.if_then(flag(SCALE)):
-                    scv = bcast(sc_, ct)
-                    for p in c_ptrs:
-                        builder.store(builder.fmul(builder.load(p, align=4), scv), p, align=4)
-                with builder.if_then(flag(COLMAX)):
-                    for v in range(nv):
-                        mp = builder.bitcast(builder.gep(mx_data, [builder.add(c0_, _ir.Constant(_I64, v * L))]),
-                                             ct.as_pointer())
-                        mv = builder.load(mp, align=4)
-                        for a in range(mr):
-                            x = builder.load(c_ptrs[a * nv + v], align=4)
-                            ok = builder.icmp_signed("<", builder.add(i0_, _ir.Constant(_I64, a)), imax_)
-                            take = builder.and_(bcast(ok, _ir.VectorType(_ir.IntType(1), L)),
-                                                builder.fcmp_ordered(">", x, mv))
-                            mv = builder.select(take, x, mv)
-                        builder.store(mv, mp, align=4)
+                    _store_chunk(builder, c_ptrs, slots, k0, narrow, ct, zero)
+                _epilogue(builder, flag, c_ptrs, sc_, mx_data, c0_, i0_, imax_, nv, mr, L, ct, bcast)
                 return context.get_dummy_value()
 
             return types.void(A, a_rs, a_cs, i0, B, c0, C, nk, init, rsc, sc, mx, imax), codegen
         return intrinsic(typer)
 
+    def _make_gemm_bf(nv, mr, native=None):
+        """`gemm_strip_bf`'s register block: mr rows x nv vectors of 16 float32 sums; per pair step nv loads of
+        B (32 bfloat16: 16 columns' pairs), mr 32-bit broadcasts of A's pairs, mr x nv `vdpbf16ps`."""
+        def typer(typingctx, A, a_rs, i0, B, c0, C, nk, init, sc, mx, imax):
+            if not (isinstance(A, types.Array) and A.dtype == types.int16 and isinstance(B, types.Array)
+                    and B.dtype == types.int16 and isinstance(C, types.Array) and C.dtype == types.float32
+                    and isinstance(mx, types.Array) and mx.dtype == types.float32 and isinstance(sc, types.Number)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                L = 16
+                vt = _ir.VectorType(_ir.FloatType(), L)
+                i32v = _ir.VectorType(_I32, L)
+                rs, i0_, c0_, nk_, init_, imax_ = (context.cast(builder, args[i], sig.args[i], types.int64)
+                                                   for i in (1, 2, 4, 6, 7, 10))
+                a_data, _ = _data_and_cols(context, builder, sig.args[0], args[0])
+                b_data, b_cols = _data_and_cols(context, builder, sig.args[3], args[3])
+                c_data, c_cols = _data_and_cols(context, builder, sig.args[5], args[5])
+                mx_data = context.make_array(sig.args[9])(context, builder, args[9]).data
+                sc_ = context.cast(builder, args[8], sig.args[8], types.float32)
+                dp = bf16_dot.vdpbf16ps_ir(builder) if native is None else bf16_dot.vdpbf16ps_ir(builder, native)
+                zero = _ir.Constant(vt, [0.0] * L)
+                splat = _ir.Constant(i32v, [0] * L)
+
+                def flag(f):
+                    return builder.icmp_signed("!=", builder.and_(init_, _ir.Constant(_I64, f)), _ir.Constant(_I64, 0))
+
+                def bcast(x, t):
+                    return builder.shuffle_vector(builder.insert_element(_ir.Constant(t, None), x,
+                                                                         _ir.Constant(_I32, 0)),
+                                                  _ir.Constant(t, None), splat)
+                a_rows = [builder.bitcast(builder.gep(a_data, [builder.mul(builder.add(i0_, _ir.Constant(_I64, a)),
+                                                                              rs)]), _I32.as_pointer())
+                          for a in range(mr)]
+                c_ptrs, slots = [], []
+                for a in range(mr):
+                    crow = builder.gep(c_data, [builder.add(builder.mul(builder.add(i0_, _ir.Constant(_I64, a)),
+                                                                        c_cols), c0_)])
+                    for v in range(nv):
+                        c_ptrs.append(builder.bitcast(builder.gep(crow, [_ir.Constant(_I64, v * L)]), vt.as_pointer()))
+                        slots.append(_cg.alloca_once_value(builder, zero))
+                one = _ir.Constant(_I64, 1)
+                step = _ir.Constant(_I64, KCHUNK // 2)
+                stop = builder.select(builder.icmp_signed(">", nk_, one), nk_, one)   # one pass even when nk == 0
+                b0 = builder.mul(c0_, _ir.Constant(_I64, 2))
+                with _cg.for_range_slice(builder, _ir.Constant(_I64, 0), stop, step) as (k0, _):
+                    k1 = builder.add(k0, step)
+                    k1 = builder.select(builder.icmp_signed("<", k1, nk_), k1, nk_)
+                    with _cg.for_range_slice(builder, k0, k1, one) as (k, _):
+                        brow = builder.gep(b_data, [builder.add(builder.mul(k, b_cols), b0)])
+                        bv = [builder.load(builder.bitcast(builder.gep(brow, [_ir.Constant(_I64, 2 * v * L)]),
+                                                           bf16_dot.I16X.as_pointer()), align=2) for v in range(nv)]
+                        for a in range(mr):
+                            x = builder.load(builder.gep(a_rows[a], [k]), align=2)
+                            xv = builder.bitcast(bcast(x, i32v), bf16_dot.I16X)
+                            for v in range(nv):
+                                sl = slots[a * nv + v]
+                                builder.store(dp(builder.load(sl), xv, bv[v]), sl)
+                    _store_chunk(builder, c_ptrs, slots, k0, False, vt, zero)
+                _epilogue(builder, flag, c_ptrs, sc_, mx_data, c0_, i0_, imax_, nv, mr, L, vt, bcast)
+                return context.get_dummy_value()
+
+            return types.void(A, a_rs, i0, B, c0, C, nk, init, sc, mx, imax), codegen
+        return intrinsic(typer)
+
     _g1, _g2, _g3, _g4 = (_make_gemm(nv) for nv in (1, 2, 3, 4))
+    _b1, _b2, _b3, _b4 = (_make_gemm_bf(nv, MR) for nv in (1, 2, 3, 4))
+    _c1, _c2, _c3, _c4 = (_make_gemm_bf(nv, 6) for nv in (1, 2, 3, 4))
+
+    @overload(gemm_strip_bf)
+    def _gemm_strip_bf_ov(A, a_rs, i0, i1, B, c0, C, nk, nv, init, sc, mx, imax):
+        def impl(A, a_rs, i0, i1, B, c0, C, nk, nv, init, sc, mx, imax):
+            i6 = i0 + (i1 - i0) // 12 * 12        # blocks of 6 rows up to here: the rest, a multiple of 4
+            if nv >= 4:
+                for i in range(i0, i6, 6):
+                    _c4(A, a_rs, i, B, c0, C, nk, init, sc, mx, imax)
+                for i in range(i6, i1, MR):
+                    _b4(A, a_rs, i, B, c0, C, nk, init, sc, mx, imax)
+            elif nv == 3:
+                for i in range(i0, i6, 6):
+                    _c3(A, a_rs, i, B, c0, C, nk, init, sc, mx, imax)
+                for i in range(i6, i1, MR):
+                    _b3(A, a_rs, i, B, c0, C, nk, init, sc, mx, imax)
+            elif nv == 2:
+                for i in range(i0, i6, 6):
+                    _c2(A, a_rs, i, B, c0, C, nk, init, sc, mx, imax)
+                for i in range(i6, i1, MR):
+                    _b2(A, a_rs, i, B, c0, C, nk, init, sc, mx, imax)
+            else:
+                for i in range(i0, i6, 6):
+                    _c1(A, a_rs, i, B, c0, C, nk, init, sc, mx, imax)
+                for i in range(i6, i1, MR):
+                    _b1(A, a_rs, i, B, c0, C, nk, init, sc, mx, imax)
+        return impl
     _h1, _h2, _h3, _h4 = (_make_gemm(nv, 6) for nv in (1, 2, 3, 4))
 
     @overload(gemm4)
@@ -250,6 +385,21 @@ if JIT:
                 for i in range(i6, i1, MR):
                     _g1(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
         return impl
+
+
+def testing_block_bf(emulated: bool = False):
+    """`gemm_strip_bf`'s 4-row x 1-vector register block as a jitted callable ``(A, a_rs, i0, B, c0, C, nk, init,
+    sc, mx, imax)``, for tests: the kernel's (`vdpbf16ps` where the CPU has it), or (emulated=True) the shift and
+    two FMAs that machines without avx512bf16 compile. Without the JIT: the NumPy twin's rows i0..i0+3."""
+    if not JIT:
+        return lambda A, a_rs, i0, B, c0, C, nk, init, sc, mx, imax: gemm_strip_bf(
+            A, a_rs, i0, i0 + MR, B, c0, C, nk, 1, init, sc, mx, imax)
+    block = _make_gemm_bf(1, MR, native=False) if emulated else _b1
+
+    @__import__("numba").njit
+    def run(A, a_rs, i0, B, c0, C, nk, init, sc, mx, imax):
+        block(A, a_rs, i0, B, c0, C, nk, init, sc, mx, imax)
+    return run
 
 
 def transpose16(qf, off, d0, QT, r0):

@@ -30,6 +30,7 @@ from numba import njit, prange
 
 from .gemm import COLMAX, FRESH, MR, RESCALE, SCALE, gemm_strip, transpose16
 from .loaders import block_rows
+from .pair_scores import page_piece, pair_block, pair_scratch, tile_pairs
 from .simd import EXP_FLAGS, FAST, JIT, exp_inline, prefetch_lines
 from .units import merge_rows
 
@@ -113,15 +114,6 @@ def _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, 
         c += nv * LK
 
 
-@njit(cache=True)
-def _page_piece(pages, P, t, left):
-    """The piece of a block that starts at key t: (its page's row in the pool, its first row in that page, its
-    rows: up to the page's end and at most ``left``)."""
-    pg = t // P
-    s0 = t - pg * P
-    return pages[pg], s0, min(P - s0, left)
-
-
 def _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx):
     """`_scores_copied` with the score GEMM reading the pool's rows in place, page by page (pages already in the
     accumulation dtype: float32 pages, float32 q.k): no copy. A page's piece is rounded up to MR rows inside the
@@ -134,7 +126,7 @@ def _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, 
         nv = min(4, (Rp - c) // LK)
         j = 0
         while j < nb:
-            row, s0, n = _page_piece(pages, P, b0 + j, nb - j)
+            row, s0, n = page_piece(pages, P, b0 + j, nb - j)
             n4 = -(-n // MR) * MR
             if s0 + n4 <= P:
                 gemm_strip(k_pages[row, h, s0:], D, 1, 0, n4, QT, c, ST[j:], D, nv, flags, mx, sc, mx, n)
@@ -168,7 +160,7 @@ def _values_direct(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, fl
         nv = min(4, (Dv - c) // L)
         j = 0
         while j < nb:
-            row, s0, n = _page_piece(pages, P, b0 + j, nb - j)
+            row, s0, n = page_piece(pages, P, b0 + j, nb - j)
             gemm_strip(ST[j:], 1, st_cols, 0, Rp, v_pages[row, h, s0:], c, O, n, nv, flags if j == 0 else 0,
                        alpha, 1.0, alpha, 0)
             j += n
@@ -272,13 +264,15 @@ def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg
 
 @njit(cache=True, fastmath=FAST)
 def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, nt, ka, kb, window, sc, block,
-                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st):
+                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot, QP, Kp):
     """Unnormalised attention of one tile (queries i0..i0+nt-1 at positions pos0.., kv head h) over the keys in
     [ka, kb) of the sequence with page row `pages` (sc: the score scale in the compute dtype). Leaves m[R], l[R],
     O[R, :Dv] (R = nt * G; rows padded to the vector width are zero queries). Scratch: QT [D, >=Rp] and Kb [>=block+3, D]
     (the score GEMM's accumulation dtype: float32, float64 for precision="highest"), Vb [>=block+3, Dvp] (columns
     Dv..Dvp-1 zero), ST [>=block+3, >=Rp], O [>=Rp, Dvp], m / l / alpha / rpos / rlo / jlo / jhi [>=Rp]; neg: NEG in the compute dtype.
-    k_scales / v_scales: the int8 pools' scales, None for float pools; st: the loader's float32 scratch."""
+    k_scales / v_scales: the int8 pools' scales, None for float pools; st: the loader's float32 scratch. dot != 0:
+    scores over bfloat16 pairs where the pages are bfloat16 and the tile's q exactly bfloat16 (`pair_scores`; QP /
+    Kp its scratch, `pair_scratch`)."""
     D = q.shape[2]
     Dvp = Vb.shape[1]
     L = 8 if O.itemsize == 8 else 16
@@ -286,6 +280,7 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
     R = nt * G
     Rp = -(-R // L) * L
     _load_tile(q, i0, nt, h, G, QT, Rp)
+    pairs = dot != 0 and tile_pairs(QT, R, Rp, QP)
     for r in range(Rp):
         p = pos0 + min(r, R - 1) // G
         rpos[r] = p
@@ -307,8 +302,11 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
         if not masked:           # the score GEMM folds the block's column maxima into alpha (from m)
             for r in range(Rp):
                 alpha[r] = m[r]
-        score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK,
-                    FRESH | SCALE | (0 if masked else COLMAX), sc, alpha)
+        flags = FRESH | SCALE | (0 if masked else COLMAX)
+        if pairs:
+            pair_block(k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, alpha)
+        else:
+            score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, alpha)
         _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg)
         _prefetch_block(v_pages, pages, h, b1, nxt)
         value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L,
@@ -332,11 +330,12 @@ def _store_tile(O, l, out, i0, nt, h, G):
 
 @njit(cache=True, fastmath=FAST)
 def tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, u0, u1, window,
-                scale, block, tokens, out, wm, wl, wacc, acc0):
+                scale, block, tokens, out, wm, wl, wacc, acc0, dot):
     """Process units u0..u1-1 with one set of scratch buffers (the serial kernel, and each parallel chunk's
     body). tokens: the most queries per tile (bounds the scratch); block: keys per score tile; acc0: a zero of
     the score GEMM's accumulation dtype (float32; float64 for precision="highest"). int8 pools (float32 q):
-    k_scales / v_scales uint16 [num_pages, num_kv_heads, page_size, ceil(width / 32)], else None."""
+    k_scales / v_scales uint16 [num_pages, num_kv_heads, page_size, ceil(width / 32)], else None. dot: 0, or
+    scores over bfloat16 pairs where they apply (`attend_tile`)."""
     Hkv = k_pages.shape[1]
     G = q.shape[1] // Hkv
     D = q.shape[2]
@@ -346,6 +345,7 @@ def tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     Rmax = -(-(tokens * G) // L) * L
     Dvp = -(-Dv // L) * L
     QT = np.full((D, Rmax), acc0)
+    QP, Kp = pair_scratch(k_pages, QT, block)
     Kb = np.full((block + MR, D), acc0)
     Vb = np.zeros((block + MR, Dvp), dt)
     ST = np.empty((block + MR, Rmax), dt)
@@ -370,7 +370,8 @@ def tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
         i0 = runs[run, 1] + t0
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, runs[run, 3] + t0, nt, units[u, 4],
-                    units[u, 5], window, sc, block, QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st)
+                    units[u, 5], window, sc, block, QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot,
+                    QP, Kp)
         if slot < 0:
             _store_tile(O, l, out, i0, nt, h, G)
         else:
@@ -404,20 +405,20 @@ def _tile_workspace(q, tokens, G, Dv, num_slots):
 
 @njit(cache=True, fastmath=FAST)
 def tiled_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, items,
-                 item_parts, num_slots, window, scale, block, tokens, out, acc0):
+                 item_parts, num_slots, window, scale, block, tokens, out, acc0, dot):
     """Every unit of `units.plan_tiles` on the calling thread, then the split tiles' merge."""
     G = q.shape[1] // k_pages.shape[1]
     wm, wl, wacc = _tile_workspace(q, tokens, G, v_pages.shape[3], num_slots)
     zero = np.int64(0)               # not the literal 0: the serial and parallel kernels share one compiled body
     tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, zero, units.shape[0],
-                window, scale, block, tokens, out, wm, wl, wacc, acc0)
+                window, scale, block, tokens, out, wm, wl, wacc, acc0, dot)
     merge_tiles(runs, items, item_parts, zero, items.shape[0], G, wm, wl, wacc, out)
     return out
 
 
 @njit(parallel=True, cache=True, fastmath=FAST)
 def tiled_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, bounds, items,
-                   item_parts, num_slots, window, scale, block, tokens, out, acc0):
+                   item_parts, num_slots, window, scale, block, tokens, out, acc0, dot):
     """The units of `units.plan_tiles` on all threads (one prange iteration per chunk: it owns its units' outputs
     and workspace slots), then the split tiles' parts are merged (each tile's in slot order)."""
     G = q.shape[1] // k_pages.shape[1]
@@ -425,7 +426,7 @@ def tiled_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_i
     nch = bounds.shape[0] - 1
     for ck in prange(nch):
         tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, runs, units, bounds[ck],
-                    bounds[ck + 1], window, scale, block, tokens, out, wm, wl, wacc, acc0)
+                    bounds[ck + 1], window, scale, block, tokens, out, wm, wl, wacc, acc0, dot)
     n = items.shape[0]
     if n >= nch:
         for ck in prange(nch):

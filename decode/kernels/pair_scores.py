@@ -1,0 +1,121 @@
+"""The tiled kernel's score GEMM over bfloat16 pairs: where the pages are bfloat16 and a tile's queries are exactly
+bfloat16 (a bfloat16 model's q), ST = K @ QT runs on `vdpbf16ps` (`gemm.gemm_strip_bf`: 32 products per
+instruction, twice a float32 FMA's) with K's rows read in place, no widened copy. Every product of two bfloat16
+is exact in float32, so a score's only roundings are its float32 additions, as on the widened path (the sums are
+taken in another order: the odd element of each pair first). A q that is not exactly bfloat16 keeps the widened
+path: splitting it into parts would cost more than the instruction saves (`bf16_dot`).
+
+    page_piece(pages, P, t, left)               (page row, first row in it, rows) of the block piece at key t
+    pair_scratch(k_pages, QT, block)            (QP int16 [D / 2, 2 * rows], Kp int16 [block + MR, D]): the
+                                                tile's q pairs and a key-row scratch; [0, 0] where the pairs
+                                                do not apply (pages not bfloat16, q.k not float32, D odd)
+    tile_pairs(QT, R, Rp, QP)                   QT's first R columns exactly bfloat16? then QP <- their pairs
+    pair_block(k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx)
+                                                ST[:nb, :Rp] = the block's K rows . QP (flags / sc / mx as
+                                                `gemm.gemm_strip`'s FRESH | SCALE | COLMAX)
+"""
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from .gemm import MR, gemm_strip_bf
+from .simd import FAST, JIT
+
+LANES = 16          # float32 score columns per vector
+
+
+@njit(cache=True)
+def page_piece(pages, P, t, left):
+    """The piece of a block that starts at key t: (its page's row in the pool, its first row in that page, its
+    rows: up to the page's end and at most ``left``)."""
+    pg = t // P
+    s0 = t - pg * P
+    return pages[pg], s0, min(P - s0, left)
+
+
+def pair_scratch(k_pages, QT, block):
+    """The pair path's buffers for a tile of up to QT.shape[1] columns: QP [D / 2, 2 * columns] and Kp [block +
+    MR, D] (int16), or empty ones where it does not apply (pages not bfloat16 bits, QT not float32, odd D)."""
+    D, cols = QT.shape
+    if k_pages.dtype == np.int16 and QT.dtype == np.float32 and D % 2 == 0:
+        return np.zeros((D // 2, 2 * cols), np.int16), np.zeros((block + MR, D), np.int16)
+    return np.zeros((0, 0), np.int16), np.zeros((0, 0), np.int16)
+
+
+def tile_pairs(QT, R, Rp, QP):
+    """Whether columns 0..R-1 of QT [D, >= Rp] (a tile's queries, float32) are all exactly bfloat16 (low halves
+    zero); if so QP[p, 2r + e] = the bfloat16 bits of QT[2p + e, r] for r < Rp (columns R..Rp-1 of QT are zero).
+    False without touching QP where QP is empty (`pair_scratch`)."""
+    if QP.shape[0] == 0:
+        return False
+    bits = QT.view(np.uint32)
+    low = np.uint32(0)
+    for d in range(QT.shape[0]):
+        row = bits[d]
+        for r in range(R):
+            low |= row[r] & np.uint32(0xFFFF)
+    if low != 0:
+        return False
+    packed = QP.view(np.uint32)             # one uint32 per (pair, column): the even element in the low half
+    for p in range(QP.shape[0]):
+        even = bits[2 * p]
+        odd = bits[2 * p + 1]
+        dst = packed[p]
+        for r in range(Rp):
+            dst[r] = (even[r] >> np.uint32(16)) | (odd[r] & np.uint32(0xFFFF0000))
+    return True
+
+
+def pair_block(k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx):
+    """ST[:nb, :Rp] = K rows b0..b0+nb-1 of kv head h (bfloat16 pages, read in place page by page) . QP, by
+    `gemm.gemm_strip_bf`. A page's piece is rounded up to MR rows inside the page (rows past the piece: scores
+    never read), or, where that would leave the page, copied into Kp first (rows past it zero)."""
+    D = k_pages.shape[3]
+    P = k_pages.shape[2]
+    c = 0
+    while c < Rp:
+        nv = min(4, (Rp - c) // LANES)
+        j = 0
+        while j < nb:
+            row, s0, n = page_piece(pages, P, b0 + j, nb - j)
+            n4 = -(-n // MR) * MR
+            if s0 + n4 <= P:
+                gemm_strip_bf(k_pages[row, h, s0:], D, 0, n4, QP, c, ST[j:], D // 2, nv, flags, sc, mx, n)
+            else:
+                Kp[:n] = k_pages[row, h, s0:s0 + n]
+                Kp[n:n4] = 0
+                gemm_strip_bf(Kp, D, 0, n4, QP, c, ST[j:], D // 2, nv, flags, sc, mx, n)
+            j += n
+        c += nv * LANES
+
+
+if JIT:
+    _tile_pairs = njit(cache=True, fastmath=FAST)(tile_pairs)
+    _pair_block = njit(cache=True, fastmath=FAST)(pair_block)
+
+    def _applies(k_pages, QT):
+        return k_pages.dtype == types.int16 and QT.dtype == types.float32
+
+    @overload(pair_scratch)
+    def _pair_scratch_ov(k_pages, QT, block):
+        if _applies(k_pages, QT):
+            def impl(k_pages, QT, block):
+                D, cols = QT.shape
+                if D % 2 == 0:
+                    return np.zeros((D // 2, 2 * cols), np.int16), np.zeros((block + MR, D), np.int16)
+                return np.zeros((0, 0), np.int16), np.zeros((0, 0), np.int16)
+            return impl
+        return lambda k_pages, QT, block: (np.zeros((0, 0), np.int16), np.zeros((0, 0), np.int16))
+
+    @overload(tile_pairs, inline="always")
+    def _tile_pairs_ov(QT, R, Rp, QP):
+        if QT.dtype == types.float32:
+            return lambda QT, R, Rp, QP: _tile_pairs(QT, R, Rp, QP)
+        return lambda QT, R, Rp, QP: False
+
+    @overload(pair_block, inline="always")
+    def _pair_block_ov(k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx):
+        if k_pages.dtype == types.int16 and ST.dtype == types.float32:
+            return lambda k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx: _pair_block(
+                k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx)
+        return lambda k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx: None
