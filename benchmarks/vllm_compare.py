@@ -46,7 +46,7 @@ def wait_quiet(max_wait: float, threshold: float = 0.5, window: float = 2.0) -> 
 def run_process(python: str, impl: str, dtype: str, args) -> dict:
     cmd = [python, "-m", "benchmarks.vllm_peer", "--impl", impl, "--dtype", dtype, "--kinds", args.kinds,
            "--modes", args.modes, "--cold-mib", str(args.cold_mib), "--page-size", str(args.page_size),
-           "--budget", str(args.budget), "--threads", str(args.threads)]
+           "--budget", str(args.budget), "--threads", str(args.threads), "--q-dtype", args.q_dtype]
     if args.cases:
         cmd += ["--cases", args.cases]
     if args.quick:
@@ -249,8 +249,9 @@ def markdown(rows: list[dict], info: dict) -> str:
         for impl in ("engine", "vllm", "sdpa"):
             if f"{impl}_rel_err" in r:
                 errs.setdefault((impl, r["dtype"]), []).append(r[f"{impl}_rel_err"])
-    out.append("Max relative error against the float64 reference (q in float32; vLLM rounds q to the storage "
-               "dtype): " + "; ".join(f"{impl} {d} {max(v):.1e}" for (impl, d), v in sorted(errs.items())) + ".")
+    q_note = ("q rounded to bfloat16 for every implementation" if info.get("q_dtype") == "bfloat16" else
+              "q in float32; vLLM rounds q to the storage dtype")
+    out.append(f"Max relative error against the float64 reference ({q_note}): " + "; ".join(f"{impl} {d} {max(v):.1e}" for (impl, d), v in sorted(errs.items())) + ".")
     meta = [r["vllm_metadata_s"] for r in rows if "vllm_metadata_s" in r]
     if meta:
         out.append(f"vLLM's scheduler metadata (built once per batch, outside the timings): "
@@ -275,6 +276,8 @@ def main(argv=None) -> int:
                    help="before each process wait up to this many seconds for the others to use < 0.5 cores")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--q-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16: q rounded to bfloat16 for every implementation (a bfloat16 model's q)")
     p.add_argument("--out", default=None, help="JSON of every process and the summary")
     p.add_argument("--markdown", default=None, help="write the tables here")
     p.add_argument("--from-json", default=None, help="re-render the tables of a saved --out file (even a partial "
@@ -312,8 +315,8 @@ def main(argv=None) -> int:
     other = [r["other_cores"] for r in runs]
     info = {"started": started, "ended": time.strftime("%Y-%m-%d %H:%M:%S %z"), "rounds": args.rounds,
             "vllm": versions.get("vllm"), "torch": versions.get("torch"), "vllm_skipped": why, "commit": commit,
-            "threads": args.threads, "page_size": args.page_size, "cold_mib": args.cold_mib,
-            "summary": (f"{started} to {time.strftime('%H:%M %Z')}, {args.rounds} rounds of alternating processes "
+            "threads": args.threads, "page_size": args.page_size, "cold_mib": args.cold_mib, "q_dtype": args.q_dtype,
+            "summary": (f"{started} to {time.strftime('%H:%M %Z')}, q {args.q_dtype}, {args.rounds} rounds of alternating processes "
                         f"(order rotated each round), medians over rounds; {args.threads} thread(s) each; page / block "
                         f"{args.page_size}; engine tree {commit or '?'}; cold = copies visited in rotation so >= {args.cold_mib} MiB of K/V lie "
                         f"between visits, hot = one copy; vLLM {versions.get('vllm', 'skipped')} "

@@ -119,17 +119,20 @@ def exact_in(dtype: str, x: np.ndarray) -> np.ndarray:
 
 class Data:
     """K/V of every (copy, sequence) from a bank of random 256-token chunks (float32, exact in the dtype), and one
-    float32 query block ``q [B * T, num_q_heads, head_dim]`` shared by the copies."""
+    float32 query block ``q [B * T, num_q_heads, head_dim]`` shared by the copies (q_dtype "bfloat16": rounded to
+    bfloat16, as a bfloat16 model's q is)."""
 
     CHUNK, BANK = 256, 8
 
-    def __init__(self, case: Case, dtype: str, copies: int, seed: int = 0):
+    def __init__(self, case: Case, dtype: str, copies: int, seed: int = 0, q_dtype: str = "float32"):
         self.case, self.dtype, self.copies = case, dtype, copies
         rng = np.random.default_rng(seed)
         dims = (self.BANK, self.CHUNK, case.num_kv_heads, case.head_dim)
         self.k_bank = exact_in(dtype, rng.standard_normal(dims, dtype=np.float32))
         self.v_bank = exact_in(dtype, rng.standard_normal(dims, dtype=np.float32))
         self.q = rng.standard_normal((case.batch * case.tokens, case.num_q_heads, case.head_dim), dtype=np.float32)
+        if q_dtype == "bfloat16":       # a bfloat16 model's q: every implementation gets the same exact values
+            self.q = round_bf16(self.q)
         self.scale = 1.0 / math.sqrt(case.head_dim)
 
     def seq(self, copy: int, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -430,9 +433,10 @@ def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(got - ref)) / max(1e-30, float(np.max(np.abs(ref)))))
 
 
-def run_case(impl_name: str, case: Case, dtype: str, modes, cold_mib: int, page_size: int, budget: float) -> dict:
+def run_case(impl_name: str, case: Case, dtype: str, modes, cold_mib: int, page_size: int, budget: float,
+             q_dtype: str = "float32") -> dict:
     copies = copies_for(case, dtype, cold_mib) if "cold" in modes else 1
-    data = Data(case, dtype, copies)
+    data = Data(case, dtype, copies, q_dtype=q_dtype)
     t0 = time.perf_counter()
     impl = IMPLS[impl_name](data, page_size)
     build_s = time.perf_counter() - t0
@@ -489,6 +493,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=0.6, help="seconds of timed calls per case and mode")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--q-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16: q rounded to bfloat16 for every implementation (a bfloat16 model's q)")
     p.add_argument("--no-beside", action="store_true", help="engine: no page walk / loop of steps beside the timed "
                    "calls")
     args = p.parse_args(argv)
@@ -497,13 +503,14 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     chosen = [c for c in cases(args.kinds.split(","), args.quick)
               if applies(args.impl, c) and (args.cases is None or c.name in args.cases.split(","))]
-    out = {"impl": args.impl, "dtype": args.dtype, "pid": os.getpid(), "results": [], "skipped": []}
+    out = {"impl": args.impl, "dtype": args.dtype, "q_dtype": args.q_dtype, "pid": os.getpid(), "results": [],
+           "skipped": []}
     if args.impl == "engine" and args.dtype not in engine_dtypes():
         out["skipped"] = [{"case": c.name, "why": f"the engine has no {args.dtype} storage"} for c in chosen]
         chosen = []
     for case in chosen:
         out["results"].append(run_case(args.impl, case, args.dtype, modes, args.cold_mib, args.page_size,
-                                       args.budget))
+                                       args.budget, args.q_dtype))
         print(f"{args.impl} {args.dtype} {case.name}: " + ", ".join(
             f"{m} {1e3 * out['results'][-1][m]['median_s']:.3f} ms" for m in modes if m in out['results'][-1]),
             file=sys.stderr, flush=True)

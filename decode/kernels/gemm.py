@@ -8,6 +8,8 @@ elements broadcast.
         RESCALE multiplies C's old row i by rsc[i] first; SCALE multiplies the finished C by sc; COLMAX folds
         the finished rows i < imax into the column maxima mx[c0 : ...] (rsc, mx: 1-D arrays of C's dtype).
     gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init, rsc, sc, mx, imax)     the same for the 4 rows i0..i0+3
+    gemm_strip_bf(A, a_rs, i0, i1, B, c0, C, nk, nv, init, sc, mx, imax)     a fresh C over bfloat16 pairs
+        (`vdpbf16ps`: A's rows and B's pairs int16 bfloat16 bits, C float32; `pair_scores`)
     transpose16(qf, off, d0, QT, r0)                                          a 16 x 16 transposed copy
 
 The flags are the online softmax's element passes folded into the GEMMs' prologue / epilogue, where C's block
