@@ -10,15 +10,16 @@ path: splitting it into parts would cost more than the instruction saves (`bf16_
                                                 tile's q pairs and a key-row scratch; [0, 0] where the pairs
                                                 do not apply (pages not bfloat16, q.k not float32, D odd)
     tile_pairs(QT, R, Rp, QP)                   QT's first R columns exactly bfloat16? then QP <- their pairs
-    pair_block(k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx)
-                                                ST[:nb, :Rp] = the block's K rows . QP (flags / sc / mx as
-                                                `gemm.gemm_strip`'s FRESH | SCALE | COLMAX)
+    score_strip(A, B, c, C, n4, nv, flags, sc, mx, n)
+                                                one strip of a score GEMM: over bfloat16 pairs for B = QP,
+                                                float FMAs for B = QT (the tiled kernel's in-place walk,
+                                                `tiled.pair_block`, runs both)
 """
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from .gemm import MR, gemm_strip_bf
+from .gemm import MR, gemm_strip, gemm_strip_bf
 from .simd import FAST, JIT
 
 LANES = 16          # float32 score columns per vector
@@ -66,32 +67,19 @@ def tile_pairs(QT, R, Rp, QP):
     return True
 
 
-def pair_block(k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx):
-    """ST[:nb, :Rp] = K rows b0..b0+nb-1 of kv head h (bfloat16 pages, read in place page by page) . QP, by
-    `gemm.gemm_strip_bf`. A page's piece is rounded up to MR rows inside the page (rows past the piece: scores
-    never read), or, where that would leave the page, copied into Kp first (rows past it zero)."""
-    D = k_pages.shape[3]
-    P = k_pages.shape[2]
-    c = 0
-    while c < Rp:
-        nv = min(4, (Rp - c) // LANES)
-        j = 0
-        while j < nb:
-            row, s0, n = page_piece(pages, P, b0 + j, nb - j)
-            n4 = -(-n // MR) * MR
-            if s0 + n4 <= P:
-                gemm_strip_bf(k_pages[row, h, s0:], D, 0, n4, QP, c, ST[j:], D // 2, nv, flags, sc, mx, n)
-            else:
-                Kp[:n] = k_pages[row, h, s0:s0 + n]
-                Kp[n:n4] = 0
-                gemm_strip_bf(Kp, D, 0, n4, QP, c, ST[j:], D // 2, nv, flags, sc, mx, n)
-            j += n
-        c += nv * LANES
+def score_strip(A, B, c, C, n4, nv, flags, sc, mx, n):
+    """C[:n4, c : c + 16 nv] = the rows A [>= n4, D] . B's columns (a score GEMM of `gemm`, flags / sc / mx as
+    there, column maxima over the first n rows): B int16 = the tile's q pairs (`gemm.gemm_strip_bf` over A's
+    bfloat16 bits), else QT [D, .] in A's dtype (`gemm.gemm_strip`)."""
+    D = A.shape[1]
+    if B.dtype == np.int16:
+        gemm_strip_bf(A, D, 0, n4, B, c, C, D // 2, nv, flags, sc, mx, n)
+    else:
+        gemm_strip(A, D, 1, 0, n4, B, c, C, D, nv, flags, mx, sc, mx, n)
 
 
 if JIT:
     _tile_pairs = njit(cache=True, fastmath=FAST)(tile_pairs)
-    _pair_block = njit(cache=True, fastmath=FAST)(pair_block)
 
     def _applies(k_pages, QT):
         return k_pages.dtype == types.int16 and QT.dtype == types.float32
@@ -113,9 +101,15 @@ if JIT:
             return lambda QT, R, Rp, QP: _tile_pairs(QT, R, Rp, QP)
         return lambda QT, R, Rp, QP: False
 
-    @overload(pair_block, inline="always")
-    def _pair_block_ov(k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx):
-        if k_pages.dtype == types.int16 and ST.dtype == types.float32:
-            return lambda k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx: _pair_block(
-                k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx)
-        return lambda k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, mx: None
+    @overload(score_strip, inline="always")
+    def _score_strip_ov(A, B, c, C, n4, nv, flags, sc, mx, n):
+        if B.dtype == types.int16:
+            def impl(A, B, c, C, n4, nv, flags, sc, mx, n):
+                D = A.shape[1]
+                gemm_strip_bf(A, D, 0, n4, B, c, C, D // 2, nv, flags, sc, mx, n)
+            return impl
+
+        def impl(A, B, c, C, n4, nv, flags, sc, mx, n):
+            D = A.shape[1]
+            gemm_strip(A, D, 1, 0, n4, B, c, C, D, nv, flags, mx, sc, mx, n)
+        return impl

@@ -30,7 +30,7 @@ from numba import njit, prange
 
 from .gemm import COLMAX, FRESH, MR, RESCALE, SCALE, gemm_strip, transpose16
 from .loaders import block_rows
-from .pair_scores import page_piece, pair_block, pair_scratch, tile_pairs
+from .pair_scores import page_piece, pair_scratch, score_strip, tile_pairs
 from .simd import EXP_FLAGS, FAST, JIT, exp_inline, prefetch_lines
 from .units import merge_rows
 
@@ -115,11 +115,11 @@ def _scores_copied(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, 
 
 
 def _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, mx):
-    """`_scores_copied` with the score GEMM reading the pool's rows in place, page by page (pages already in the
-    accumulation dtype: float32 pages, float32 q.k): no copy. A page's piece is rounded up to MR rows inside the
-    page (rows past the piece: scores never read; the next piece overwrites them), or, where that would leave
-    the page, copied. Every score is the same FMA chain as through the copy (bitwise the same)."""
-    D = QT.shape[0]
+    """`_scores_copied` with the score GEMM reading the pool's rows in place, page by page: pages already in the
+    accumulation dtype (float32 pages, float32 q.k; QT [D, .]), or bfloat16 pages with QT the tile's q pairs
+    (`pair_block`). No copy: a page's piece is rounded up to MR rows inside the page (rows past the piece: scores
+    never read; the next piece overwrites them), or, where that would leave the page, copied into Kb
+    (`_copy_piece`). Every score is the same chain as through the copy (bitwise the same)."""
     P = k_pages.shape[2]
     c = 0
     while c < Rp:
@@ -129,12 +129,33 @@ def _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, 
             row, s0, n = page_piece(pages, P, b0 + j, nb - j)
             n4 = -(-n // MR) * MR
             if s0 + n4 <= P:
-                gemm_strip(k_pages[row, h, s0:], D, 1, 0, n4, QT, c, ST[j:], D, nv, flags, mx, sc, mx, n)
+                score_strip(k_pages[row, h, s0:], QT, c, ST[j:], n4, nv, flags, sc, mx, n)
             else:
-                _copy_block(k_pages, k_scales, pages, h, b0 + j, n, Kb, st)
-                gemm_strip(Kb, D, 1, 0, n4, QT, c, ST[j:], D, nv, flags, mx, sc, mx, n)
+                _copy_piece(k_pages, k_scales, pages, h, b0 + j, n, Kb, st)
+                score_strip(Kb, QT, c, ST[j:], n4, nv, flags, sc, mx, n)
             j += n
         c += nv * LK
+
+
+def _copy_piece(k_pages, k_scales, pages, h, t, n, dst, st):
+    """dst[:n] = the rows of kv head h at positions t.. (one page's piece), rows n..(n rounded up to MR)-1 zero:
+    as stored for an int16 dst (bfloat16 bits, the pair path's: `_copy_bits`), else widened (`_copy_block`)."""
+    if dst.dtype == np.int16:
+        _copy_bits(k_pages, pages, h, t, n, dst)
+    else:
+        _copy_block(k_pages, k_scales, pages, h, t, n, dst, st)
+
+
+def _copy_bits(k_pages, pages, h, t, n, dst):
+    row, s0, _ = page_piece(pages, k_pages.shape[2], t, n)
+    dst[:n] = k_pages[row, h, s0:s0 + n]
+    dst[n:-(-n // MR) * MR] = 0
+
+
+def pair_block(k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, mx):
+    """ST[:nb, :Rp] = the block's K rows (bfloat16 pages, in place) . the tile's q pairs QP (`pair_scores`): the
+    in-place walk over pairs (nothing for other pages: the pairs never apply there)."""
+    _scores_direct(k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, mx)
 
 
 def _values_copied(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha):
@@ -192,6 +213,22 @@ if JIT:
 
     _scores_copied, _scores_direct, _values_copied, _values_direct = (
         njit(cache=True, fastmath=FAST)(f) for f in (_scores_copied, _scores_direct, _values_copied, _values_direct))
+
+    _copy_bits = njit(cache=True)(_copy_bits)
+
+    @overload(_copy_piece, inline="always")
+    def _copy_piece_ov(k_pages, k_scales, pages, h, t, n, dst, st):
+        if dst.dtype == types.int16:
+            return lambda k_pages, k_scales, pages, h, t, n, dst, st: _copy_bits(k_pages, pages, h, t, n, dst)
+        return lambda k_pages, k_scales, pages, h, t, n, dst, st: _copy_block(k_pages, k_scales, pages, h, t, n, dst,
+                                                                               st)
+
+    @overload(pair_block, inline="always")
+    def _pair_block_ov(k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, mx):
+        if k_pages.dtype == types.int16 and ST.dtype == types.float32:
+            return lambda k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, mx: _scores_direct(
+                k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, mx)
+        return lambda k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, mx: None
 
     def _none(x):
         return x is None or isinstance(x, (types.NoneType, types.Omitted))
@@ -304,7 +341,7 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
                 alpha[r] = m[r]
         flags = FRESH | SCALE | (0 if masked else COLMAX)
         if pairs:
-            pair_block(k_pages, pages, h, b0, nb, Kp, QP, ST, Rp, flags, sc, alpha)
+            pair_block(k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, alpha)
         else:
             score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, alpha)
         _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg)

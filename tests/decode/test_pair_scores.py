@@ -212,7 +212,7 @@ def test_score_magnitudes(D, reduced_grid):
             case.check(case.run(mode=m, split_tokens=split))
 
 
-@pytest.mark.skipif(not (JIT and bf16_dot.HOST), reason="the pair path runs where the CPU has avx512bf16")
+@pytest.mark.skipif(not bf16_dot.HOST, reason="the pair path runs where the CPU has avx512bf16")
 def test_path_taken_only_where_it_applies(mode, reduced_grid):
     """With vdpbf16ps on (the default mode) a bfloat16 q's tiles take the pairs: other bits than the widened path
     (mode 0), both within budget. A tile holding one q element that is not bfloat16 keeps the widened path: its
