@@ -32,9 +32,11 @@ ROUTES = ("per_query", "tiled", "routed")
 
 class Scene:
     """One sequence of ``context + T`` tokens in pages of ``page_size`` (random physical order) and T queries at
-    positions context..context+T-1; storage "float32", "float16" or "bfloat16" (uint16 bits)."""
+    positions context..context+T-1; storage "float32", "float16" or "bfloat16" (uint16 bits); q_dtype "bfloat16":
+    q rounded to bfloat16."""
 
-    def __init__(self, context, T, num_q_heads, num_kv_heads, head_dim, storage, page_size, seed=0):
+    def __init__(self, context, T, num_q_heads, num_kv_heads, head_dim, storage, page_size, seed=0,
+                 q_dtype="float32"):
         rng = np.random.default_rng(seed)
         L = context + T
         npages = -(-L // page_size)
@@ -50,6 +52,9 @@ class Scene:
         self.indices = rng.permutation(npages).astype(np.int32)
         self.indptr = np.array([0, npages], dtype=np.int64)
         self.q = rng.standard_normal((T, num_q_heads, head_dim), dtype=np.float32)
+        if q_dtype == BFLOAT16:          # a bfloat16 model's q (the tiled kernel's pair scores over bfloat16 pages)
+            from kvcache import bf16
+            self.q = bf16.to_float32(bf16.to_bits(self.q))
         self.query_seq = np.zeros(T, dtype=np.int32)
         self.query_pos = np.arange(context, L, dtype=np.int64)
         self.scale = 1.0 / math.sqrt(head_dim)
@@ -106,13 +111,14 @@ def ratios(times: dict, prefix: str = "") -> dict:
             "routed_over_best": float(np.median(ro / np.minimum(pq, ti)))}
 
 
-def measure(context, T, hq, hkv, d, storage, page, threads, rounds) -> dict:
+def measure(context, T, hq, hkv, d, storage, page, threads, rounds, q_dtype="float32") -> dict:
     """One shape: the wall-clock figures, and (``cpu_*``) the CPU-time ones (meaningful at threads=1 only)."""
     numba.set_num_threads(threads)
-    scene = Scene(context, T, hq, hkv, d, storage, page)
+    scene = Scene(context, T, hq, hkv, d, storage, page, q_dtype=q_dtype)
     times = interleaved({route: scene.call(route) for route in ROUTES}, rounds)
     rec = {"context": context, "T": T, "num_q_heads": hq, "num_kv_heads": hkv, "group": hq // hkv,
-           "head_dim": d, "storage": storage, "page_size": page, "threads": threads, "rounds": rounds}
+           "head_dim": d, "storage": storage, "page_size": page, "threads": threads, "rounds": rounds,
+           "q_dtype": q_dtype}
     rec.update(ratios(times))
     rec.update({"cpu_" + k: v for k, v in ratios(times, "cpu:").items()})
     rec.update({"routed_tiled": scene.tiled_routed(), "loadavg": os.getloadavg()[0]})
@@ -131,6 +137,8 @@ def main(argv=None) -> None:
     ap.add_argument("--pages", type=ints, default=[16])
     ap.add_argument("--threads", type=ints, default=[1, 2])
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--q-dtype", choices=("float32", BFLOAT16), default="float32",
+                    help="bfloat16: q rounded to bfloat16 (a bfloat16 model's q)")
     ap.add_argument("--out", default=None, help="append one JSON record per shape to this file")
     a = ap.parse_args(argv)
     for d in a.head_dims:
@@ -141,7 +149,7 @@ def main(argv=None) -> None:
                         for T in a.tokens:
                             for threads in a.threads:
                                 rec = measure(context, T, a.num_q_heads, a.num_q_heads // g, d, storage, page,
-                                              threads, a.rounds)
+                                              threads, a.rounds, a.q_dtype)
                                 c = "cpu_" if threads == 1 else ""
                                 print(f"d{d} {storage} p{page} ctx{context} G{g} T{T} th{threads}: "
                                       f"tiled/pq {rec[c + 'tiled_over_per_query']:.2f} routed/best "

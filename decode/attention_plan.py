@@ -74,30 +74,30 @@ def accumulator(compute: np.dtype, precision: str = "default", head_dim: int = W
 # Routing (issue 20; docs/kernel.md, "Routing"): the shortest run of one sequence's consecutive queries that the
 # tiled kernel takes, by (storage, head_dim) and group (num_q_heads / num_kv_heads): ((smallest group, run
 # length), ...), a group taking the entry of the largest listed group <= it; a head_dim the entry of the largest
-# listed head_dim <= it. Measured with `python -m benchmarks.routing` (32 q heads, page 16, contexts 512 and 4096
-# at head_dim 128, 4096 at 64; one numba thread, CPU time of interleaved calls, median of 7 per-round ratios, on
-# a machine shared with other jobs). tiled / per-query time at (listed length - 1 | listed length):
-#   d128 float32   G1 4 (1.07-1.23 | 0.82)  G2-8 3 (0.97-1.77 | 0.82-1.02)  G16-32 2 (0.99-1.47 at T=1 | 0.71-0.90)
-#   d128 float16   G1 5 (1.20-1.22 | 0.86-0.91)  G2-8 4 (0.92-1.21 | 0.67-0.95)  G16-32 2 (1.12-1.21 | 0.82-0.86)
-#   d128 bfloat16  G1 6, G2 5, G4 4 (AMD Zen 4, contexts 512 and 4096, one thread CPU time and two threads wall
-#                  clock: G1 T=4 / 5 / 6 1.37-1.80 / 0.87-1.42 / 0.85-1.20, G2 T=4 / 5 1.06-1.17 / 0.77-0.96,
-#                  G4 T=3 / 4 1.19-1.33 / 0.87-0.94; the Intel run after the vdpbf16ps per-query kernel had G1-4
-#                  T=4 at 0.83-0.92: the lengths are the smallest worst case over both machines)
-#                  G8 3 (1.03 | 0.99; Zen 4 1.00-1.13 | 0.74-0.84)  G16-32 2 (T=2: 0.73-0.89)
-#   d64  float32   G1 4 (1.31 | 0.92)  G2-4 3 (1.28-1.48 | 0.90-0.97)  G8-32 2 (T=2: 0.54-0.75)
-#   d64  float16   G1-4 3 (1.19-1.41 | 0.79-0.94)  G8-32 2 (T=2: 0.52-0.82)
-#   d64  bfloat16  G1 4 (1.13 | 0.93)  G2-4 3 (1.09-1.12 | 0.73-0.76)  G8-32 2 (T=2: 0.40-0.60)
+# listed head_dim <= it. Re-measured 2026-12-04 on the Zen 4 guest after the tiled kernel's bfloat16 pairs
+# (`python -m benchmarks.routing --contexts 512,4096 --tokens 2,3,4,5,6,7 --groups 1,2,4,8,16 --head-dims 64,128
+# --threads 1`, and for bfloat16 pages again with `--q-dtype bfloat16`: 32 q heads, page 16, one numba thread,
+# CPU time of interleaved calls, median of 15 per-round ratios; benchmarks/results/routing-zen4-2026-12-04*.jsonl). Each
+# length is the one whose worst loss (routed / faster kernel, over both contexts and, for bfloat16 pages, both q
+# dtypes) is least; the worst that remains (T = 5 at G = 4 pads 20 rows to 32, where the tiled kernel loses
+# again: no single length serves both sides of it):
+#   d128 float32   G1 5 (1.09), G2-8 4 (1.05-1.14), G16+ 2
+#   d128 float16   G1 7 (1.04), G2 5 (1.00), G4-8 4 (1.06-1.11), G16+ 2
+#   d128 bfloat16  G1 6 (1.14), G2-4 4 (1.11-1.18), G8+ 2 (1.05)
+#   d64  float32   G1 5 (1.06), G2 4 (1.00), G4 3 (1.06), G8+ 2 (1.05)
+#   d64  float16   G1 6 (1.02), G2 5 (1.09), G4 4 (1.05), G8+ 2 (1.00)
+#   d64  bfloat16  G1 6 (1.09), G2 4 (1.06), G4 3 (1.07), G8+ 2 (1.00)
 # A single query (a decode step) is never tiled, although at G >= 16 bfloat16 (and d64) the tiled kernel won
 # there too (0.52-0.98): decode steps keep their kernel. Short runs lose in the tiled kernel because a tile's
 # rows (tokens x group) are padded to 16 lanes, while the per-query kernel shares each K/V row among the group's
 # heads too. Head dims below 64 (q.k in float64), float64 and int8 storage: MIN_RUN (not measured here).
 ROUTE_MIN_RUN = {
-    ("float32", 64): ((1, 4), (2, 3), (8, 2)),
-    ("float16", 64): ((1, 3), (8, 2)),
-    (BFLOAT16, 64): ((1, 4), (2, 3), (8, 2)),
-    ("float32", 128): ((1, 4), (2, 3), (16, 2)),
-    ("float16", 128): ((1, 5), (2, 4), (16, 2)),
-    (BFLOAT16, 128): ((1, 6), (2, 5), (4, 4), (8, 3), (16, 2)),
+    ("float32", 64): ((1, 5), (2, 4), (4, 3), (8, 2)),
+    ("float16", 64): ((1, 6), (2, 5), (4, 4), (8, 2)),
+    (BFLOAT16, 64): ((1, 6), (2, 4), (4, 3), (8, 2)),
+    ("float32", 128): ((1, 5), (2, 4), (16, 2)),
+    ("float16", 128): ((1, 7), (2, 5), (4, 4), (16, 2)),
+    (BFLOAT16, 128): ((1, 6), (2, 4), (8, 2)),
 }
 
 LONGEST_MIN_RUN = max([MIN_RUN] + [n for table in ROUTE_MIN_RUN.values() for _, n in table])   # any shapes' bound
