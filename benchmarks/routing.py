@@ -1,6 +1,6 @@
 """Routing of runs between the per-query and the tiled kernel (issue 20, "routing"): one sequence extends by T
 new tokens over ``context`` cached ones; the kernel call alone (the plan made once, as a forward makes it once
-for every layer), forced through each kernel and as routed by `decode.attention_plan.route_min_run`.
+for every layer), forced through each kernel and as routed by `decode.attention_plan.route_rule`.
 
 The machine is shared, so the kernels are timed **interleaved in one process**: every round times per-query,
 tiled and routed back to back (the order alternating between rounds), each over enough calls for ~2 ms; a
@@ -8,7 +8,7 @@ shape's figure is the median over rounds of the per-round ratio (tiled / per-que
 kernel is slower). On one numba thread the kernel runs on the calling thread, whose CPU time
 (`time.thread_time`) other processes do not inflate: those ratios are the robust ones (``cpu_*``); the 2-thread
 figures are wall clock and carry the other jobs' load (a parallel region may wait a scheduler tick for its
-worker). The table of docs/kernel.md ("Routing") and the comment of `attention_plan.route_min_run` come from
+worker). The table of docs/kernel.md ("Routing") and the comment of `attention_plan.ROUTE_MIN_RUN` come from
 
     python -m benchmarks.routing --out routing.jsonl                    (the default grid; ~10-30 min under load)
     python -m benchmarks.routing --contexts 4096 --head-dims 64 --storages float32 --out r64.jsonl

@@ -3,8 +3,9 @@
 An `AttentionPlan` is made from the queries' sequences and positions and the shapes, for every batch shape
 (one query per sequence, runs of consecutive queries of one sequence, a mix of both; every storage format,
 int8 included), and reused by every layer that attends with the same positions (a multi-layer token, batch
-step or extend). Runs of >= `route_min_run(group, head_dim, storage)` queries (`ROUTE_MIN_RUN`, measured) go to
-the tiled kernel (`decode.kernels.tiled`), the other queries to the per-query kernel (`decode.kernels.per_query`).
+step or extend). Runs of >= `route_min_run(group, head_dim, storage)` queries, bar a measured length
+(`route_rule`, `ROUTE_MIN_RUN`), go to the tiled kernel (`decode.kernels.tiled`), the other queries to the
+per-query kernel (`decode.kernels.per_query`).
 
 Determinism (docs/kernel.md): key ranges are cut at absolute multiples of a piece length that depends on the
 model's shapes and the page size only (`SPLIT_TOKENS`, `TILED_SPLIT`), never on the thread count or on the other
@@ -50,6 +51,7 @@ WIDE_HEAD_DIM = 64           # q.k of shorter heads is accumulated in float64 (`
 BFLOAT16 = "bfloat16"        # the storage format without a numpy dtype: uint16 bits (`kvcache.bf16`)
 _KERNEL_VIEW = {np.dtype(np.float16): np.dtype(np.uint16)}
 _NO_UNITS = np.empty((0, 4), dtype=np.int64)
+_NO_SKIP = np.empty(0, dtype=np.int64)
 _NO_ITEMS = np.empty((0, 3), dtype=np.int64)
 
 
@@ -74,16 +76,18 @@ def accumulator(compute: np.dtype, precision: str = "default", head_dim: int = W
 # Routing (issue 20; docs/kernel.md, "Routing"): the shortest run of one sequence's consecutive queries that the
 # tiled kernel takes, by (storage, head_dim) and group (num_q_heads / num_kv_heads): ((smallest group, run
 # length), ...), a group taking the entry of the largest listed group <= it; a head_dim the entry of the largest
-# listed head_dim <= it. Re-measured 2026-12-04 on the Zen 4 guest after the tiled kernel's bfloat16 pairs
+# listed head_dim <= it; a third element lists run lengths above the first that still go to the per-query
+# kernel (T = 5 at G = 4 pads 20 rows to 32: the tiled kernel loses there again after winning at T = 4).
+# Re-measured 2026-12-04 on the Zen 4 guest after the tiled kernel's bfloat16 pairs
 # (`python -m benchmarks.routing --contexts 512,4096 --tokens 2,3,4,5,6,7 --groups 1,2,4,8,16 --head-dims 64,128
 # --threads 1`, and for bfloat16 pages again with `--q-dtype bfloat16`: 32 q heads, page 16, one numba thread,
 # CPU time of interleaved calls, median of 15 per-round ratios; benchmarks/results/routing-zen4-2026-12-04*.jsonl). Each
 # length is the one whose worst loss (routed / faster kernel, over both contexts and, for bfloat16 pages, both q
-# dtypes) is least; the worst that remains (T = 5 at G = 4 pads 20 rows to 32, where the tiled kernel loses
-# again: no single length serves both sides of it):
-#   d128 float32   G1 5 (1.09), G2-8 4 (1.05-1.14), G16+ 2
-#   d128 float16   G1 7 (1.04), G2 5 (1.00), G4-8 4 (1.06-1.11), G16+ 2
-#   d128 bfloat16  G1 6 (1.14), G2-4 4 (1.11-1.18), G8+ 2 (1.05)
+# dtypes) is least; T = 5 at G = 4 skipped at head_dim 128 (tiled / per-query there 1.00-1.18, at 64 0.87-1.07:
+# not skipped). Lengths (worst loss left, in-sample):
+#   d128 float32   G1 5 (1.09), G2 4 (1.14), G4 4 not 5 (1.03), G8 4 (1.05), G16+ 2 (1.00)
+#   d128 float16   G1 7 (1.04), G2 5 (1.00), G4 4 not 5 (1.00), G8 4 (1.06), G16+ 2 (1.00)
+#   d128 bfloat16  G1 6 (1.14), G2 4 (1.11), G4 4 not 5 (1.10), G8+ 2 (1.05)
 #   d64  float32   G1 5 (1.06), G2 4 (1.00), G4 3 (1.06), G8+ 2 (1.05)
 #   d64  float16   G1 6 (1.02), G2 5 (1.09), G4 4 (1.05), G8+ 2 (1.00)
 #   d64  bfloat16  G1 6 (1.09), G2 4 (1.06), G4 3 (1.07), G8+ 2 (1.00)
@@ -95,28 +99,42 @@ ROUTE_MIN_RUN = {
     ("float32", 64): ((1, 5), (2, 4), (4, 3), (8, 2)),
     ("float16", 64): ((1, 6), (2, 5), (4, 4), (8, 2)),
     (BFLOAT16, 64): ((1, 6), (2, 4), (4, 3), (8, 2)),
-    ("float32", 128): ((1, 5), (2, 4), (16, 2)),
-    ("float16", 128): ((1, 7), (2, 5), (4, 4), (16, 2)),
-    (BFLOAT16, 128): ((1, 6), (2, 4), (8, 2)),
+    ("float32", 128): ((1, 5), (2, 4), (4, 4, (5,)), (8, 4), (16, 2)),
+    ("float16", 128): ((1, 7), (2, 5), (4, 4, (5,)), (8, 4), (16, 2)),
+    (BFLOAT16, 128): ((1, 6), (2, 4), (4, 4, (5,)), (8, 2)),
 }
 
-LONGEST_MIN_RUN = max([MIN_RUN] + [n for table in ROUTE_MIN_RUN.values() for _, n in table])   # any shapes' bound
+LONGEST_MIN_RUN = max([MIN_RUN] + [e[1] for table in ROUTE_MIN_RUN.values() for e in table])   # any shapes' bound
+# a skipped length lies below it: from LONGEST_MIN_RUN on every shape's run is tiled (`decode.hf.query_chunks`)
+assert all(x < LONGEST_MIN_RUN for table in ROUTE_MIN_RUN.values() for e in table for x in (e[2:] or ((),))[0])
 
 
-def route_min_run(group: int, head_dim: int, storage) -> int:
-    """Queries per run (one sequence, consecutive positions) from which the tiled kernel is used; shorter runs go
-    to the per-query kernel (`ROUTE_MIN_RUN`; MIN_RUN where it has no entry). A function of the shapes only
-    (never of the thread count, the context length or the other queries of a call), so a sequence is routed the
-    same alone and in any batch (docs/kernel.md, "Determinism")."""
+def route_rule(group: int, head_dim: int, storage) -> tuple[int, tuple]:
+    """(min_run, skip): runs of one sequence's consecutive queries of >= min_run queries, other than the lengths
+    in skip, go to the tiled kernel; the others to the per-query kernel (`ROUTE_MIN_RUN`; MIN_RUN and no skip
+    where it has no entry). A function of the shapes only (never of the thread count, the context length, q or
+    the other queries of a call), so a sequence is routed the same alone and in any batch (docs/kernel.md,
+    "Determinism")."""
     name = BFLOAT16 if isinstance(storage, str) and storage == BFLOAT16 else np.dtype(storage).name
     dims = [d for (fmt, d) in ROUTE_MIN_RUN if fmt == name and d <= head_dim]
     if not dims:
-        return MIN_RUN
-    length = MIN_RUN
-    for smallest_group, n in ROUTE_MIN_RUN[name, max(dims)]:
-        if group >= smallest_group:
-            length = n
-    return length
+        return MIN_RUN, ()
+    rule = (MIN_RUN, ())
+    for entry in ROUTE_MIN_RUN[name, max(dims)]:
+        if group >= entry[0]:
+            rule = (entry[1], tuple(entry[2]) if len(entry) > 2 else ())
+    return rule
+
+
+def route_min_run(group: int, head_dim: int, storage) -> int:
+    """The shortest run the tiled kernel takes (`route_rule`)."""
+    return route_rule(group, head_dim, storage)[0]
+
+
+def routes_tiled(T: int, group: int, head_dim: int, storage) -> bool:
+    """Whether a run of T queries goes to the tiled kernel (`route_rule`)."""
+    min_run, skip = route_rule(group, head_dim, storage)
+    return T >= min_run and T not in skip
 
 
 def k_int8(storage) -> bool:
@@ -241,8 +259,8 @@ class AttentionPlan:
     q_shape = (num_queries, num_q_heads, head_dim); v_shape = v_pages.shape; storage: the format's numpy dtype or
     "bfloat16"; precision: "default" (q.k in float32) or "highest" (in float64; not for int8). mode (tests,
     tuning): 0 choose, 1 serial, 2 parallel; split_tokens > 0 forces pieces of that many tokens; tiled=False
-    sends every query to the per-query kernel; min_run (None: `route_min_run` of the shapes) forces the run length
-    from which runs are tiled (1: every run; tests and `benchmarks.routing`)."""
+    sends every query to the per-query kernel; min_run (None: `route_rule` of the shapes) forces the run length
+    from which runs are tiled, with no length skipped (1: every run; tests and `benchmarks.routing`)."""
 
     __slots__ = ("tiles", "rest", "single", "query_seq", "query_pos", "indices", "indptr", "out_shape")
 
@@ -250,8 +268,9 @@ class AttentionPlan:
                  split_tokens=0, tiled=True, min_run=None):
         num_queries, num_q_heads, head_dim = q_shape
         _, num_kv_heads, page_size, head_dim_v = v_shape
+        skip = ()
         if min_run is None:
-            min_run = route_min_run(num_q_heads // num_kv_heads, head_dim, storage)
+            min_run, skip = route_rule(num_q_heads // num_kv_heads, head_dim, storage)
         self.query_seq, self.query_pos = query_seq, query_pos
         self.indices = self.indptr = None
         self.out_shape = (num_queries, num_q_heads, head_dim_v)
@@ -260,7 +279,7 @@ class AttentionPlan:
             acc0 = np.float32(0.0)                        # the int8 micro-kernels accumulate in float32
         self.tiles, self.rest, self.single = None, None, None
         if tiled and num_queries >= min_run:
-            runs, rest, keys = find_runs(query_seq, query_pos, min_run, window)
+            runs, rest, keys = find_runs(query_seq, query_pos, min_run, np.array(skip, np.int64), window)
             if len(runs):
                 self.tiles = TilePlan(runs, keys, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, acc0,
                                       mode=mode, split_tokens=split_tokens)
@@ -408,7 +427,7 @@ def attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query
     """The tiled kernel alone: out[i] of every query i in a run of >= min_run queries; returns the indices
     (int64) of the other queries, which it leaves untouched. Arguments as `attend_unchecked`."""
     storage = storage if storage is not None else k_pages.dtype
-    runs, rest, keys = find_runs(query_seq, query_pos, min_run, window)
+    runs, rest, keys = find_runs(query_seq, query_pos, min_run, _NO_SKIP, window)
     if len(runs):
         _, num_q_heads, head_dim = q.shape
         acc0 = np.float32(0.0) if k_int8(storage) else accumulator(compute_dtype(storage), precision, head_dim)

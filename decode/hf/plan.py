@@ -28,7 +28,7 @@ import numba
 import numpy as np
 import torch
 
-from decode.attention_plan import AttentionPlan, pools_of, raise_released, route_min_run
+from decode.attention_plan import AttentionPlan, pools_of, raise_released, routes_tiled
 from decode.kernels.input_check import CheckCode, check_inputs
 
 from . import heap, layer_tensors, query_chunks
@@ -159,7 +159,7 @@ class ForwardPlan:
                              f"got shape {tuple(query.shape)}")
         self._shape = (num_q_heads, cfg.head_dim)
         dv = cfg.head_dim_v
-        single = self.width < route_min_run(num_q_heads // cfg.num_kv_heads, cfg.head_dim, self.pools.storage)
+        single = not routes_tiled(self.width, num_q_heads // cfg.num_kv_heads, cfg.head_dim, self.pools.storage)
         limit = query_chunks.chunk_limit(int(self.query_pos.max(initial=0)), num_q_heads, cfg.head_dim, dv,
                                          num_q_heads // cfg.num_kv_heads, self.compute.itemsize, single=single)
         self._chunks = query_chunks.chunks(self.first, self.width, limit)

@@ -9,7 +9,7 @@ sequence's partial states, and the order they are merged in, are the same whatev
     plan_tiles(runs, num_kv_heads, G, window, tokens, split, nchunks)  tiled units [U, 7]
     balance(costs, nchunks)                                            contiguous chunks of units by cost
     merge_rows(wm, wl, wacc, w0, n, r0, dst, scale)                    the split-K merge of n partials
-    find_runs(query_seq, query_pos, min_run, window)                   runs of consecutive queries
+    find_runs(query_seq, query_pos, min_run, skip, window)             runs of consecutive queries
 """
 import math
 
@@ -184,10 +184,11 @@ def merge_rows(wm, wl, wacc, w0, n, r0, dst, scale):
 
 
 @njit(cache=True)
-def find_runs(query_seq, query_pos, min_run, window):
-    """Split the queries into runs (one sequence, consecutive positions, >= min_run queries) and the rest.
-    Returns runs [n, 4] = (sequence, first query, count, first position), rest (int64 query indices), and the
-    visible keys summed over the queries in runs."""
+def find_runs(query_seq, query_pos, min_run, skip, window):
+    """Split the queries into runs (one sequence, consecutive positions, >= min_run queries, a count not in
+    ``skip``: int64 run lengths left to the per-query kernel) and the rest. Returns runs [n, 4] = (sequence,
+    first query, count, first position), rest (int64 query indices), and the visible keys summed over the
+    queries in runs."""
     nq = query_seq.shape[0]
     starts = np.empty(nq + 1, np.int64)
     n = 0
@@ -199,7 +200,7 @@ def find_runs(query_seq, query_pos, min_run, window):
     nr = 0
     nrest = 0
     for k in range(n):
-        if starts[k + 1] - starts[k] >= min_run:
+        if _taken(starts[k + 1] - starts[k], min_run, skip):
             nr += 1
         else:
             nrest += starts[k + 1] - starts[k]
@@ -211,7 +212,7 @@ def find_runs(query_seq, query_pos, min_run, window):
     for k in range(n):
         i0 = starts[k]
         T = starts[k + 1] - i0
-        if T >= min_run:
+        if _taken(T, min_run, skip):
             runs[a, 0] = query_seq[i0]
             runs[a, 1] = i0
             runs[a, 2] = T
@@ -224,3 +225,14 @@ def find_runs(query_seq, query_pos, min_run, window):
                 rest[b] = i
                 b += 1
     return runs, rest, keys
+
+
+@njit(cache=True)
+def _taken(T, min_run, skip):
+    """Whether a run of T queries is tiled: T >= min_run and T not in skip."""
+    if T < min_run:
+        return False
+    for x in skip:
+        if x == T:
+            return False
+    return True

@@ -44,20 +44,24 @@ def tiled_sequences(plan):
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_plan_follows_the_rule(storage, head_dim):
-    """For every group and run length 1..20: a lone extend is tiled iff T >= route_min_run(shapes), and in a
-    ragged batch of all those lengths exactly the same sequences are tiled; the rest go to the per-query kernel."""
+    """For every group and run length 1..20: a lone extend is tiled iff T >= the rule's length and T is not one
+    it skips (`route_rule`), and in a ragged batch of all those lengths exactly the same sequences are tiled; the
+    rest go to the per-query kernel."""
     counts = list(range(1, 21))
     for group in GROUPS:
-        threshold = AP.route_min_run(group, head_dim, storage_of(storage))
+        threshold, skip = AP.route_rule(group, head_dim, storage_of(storage))
         assert threshold >= 2                               # a single query (a decode step) is never tiled
+        assert all(threshold < x < AP.LONGEST_MIN_RUN for x in skip)
+        tiled = {T for T in counts if T >= threshold and T not in skip}
         for T in counts:
             alone = plan_of([T], group, head_dim, storage)
-            assert (alone.tiles is not None) == (T >= threshold), (group, T, threshold)
-            assert (alone.single is not None) == (T < threshold)
+            assert (alone.tiles is not None) == (T in tiled), (group, T, threshold, skip)
+            assert (alone.single is not None) == (T not in tiled)
+            assert AP.routes_tiled(T, group, head_dim, storage_of(storage)) == (T in tiled)
         batch = plan_of(counts, group, head_dim, storage)
-        assert tiled_sequences(batch) == {b for b, T in enumerate(counts) if T >= threshold}
+        assert tiled_sequences(batch) == {b for b, T in enumerate(counts) if T in tiled}
         if batch.tiles is not None:
-            assert len(batch.rest) == sum(T for T in counts if T < threshold)
+            assert len(batch.rest) == sum(T for T in counts if T not in tiled)
 
 
 def test_rule_depends_on_shapes_only():
