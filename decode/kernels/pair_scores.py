@@ -22,8 +22,6 @@ from numba.extending import overload
 from .gemm import MR, gemm_strip, gemm_strip_bf
 from .simd import FAST, JIT
 
-LANES = 16          # float32 score columns per vector
-
 
 @njit(cache=True)
 def page_piece(pages, P, t, left):

@@ -122,13 +122,18 @@ def test_tile_pairs_packs_only_exact_tiles():
     assert tile_pairs(QT, R, Rp, QP)
 
 
-@pytest.mark.parametrize("pages,qt,shape", [(np.int16, np.float32, (0, 0)), (np.int16, np.float64, (0, 0)),
+@pytest.mark.parametrize("pages,qt,shape", [(np.int16, np.float32, (4, 32)), (np.int16, np.float64, (0, 0)),
                                             (np.uint16, np.float32, (0, 0)), (np.float32, np.float32, (0, 0))])
 def test_pair_scratch_only_for_bfloat16_pages_and_float32_scores(pages, qt, shape):
-    k = np.zeros((1, 1, 4, 8), pages)
-    assert pair_scratch(k, np.zeros((8, 16), qt), 32)[0].shape == ((4, 32) if (pages, qt) == (np.int16, np.float32)
-                                                                   else shape)
-    assert pair_scratch(np.zeros((1, 1, 4, 7), np.int16), np.zeros((7, 16), np.float32), 32)[0].shape == (0, 0)
+    """QP [D / 2, 2 x columns] for bfloat16 pages (int16 bits) and float32 q.k with an even head_dim, else empty:
+    the Python body and (under the JIT) the kernels' overload."""
+    scratches = [pair_scratch]
+    if JIT:
+        from numba import njit
+        scratches.append(njit(lambda k, QT, block: pair_scratch(k, QT, block)))
+    for scratch in scratches:
+        assert scratch(np.zeros((1, 1, 4, 8), pages), np.zeros((8, 16), qt), 32)[0].shape == shape
+        assert scratch(np.zeros((1, 1, 4, 7), pages), np.zeros((7, 16), qt), 32)[0].shape == (0, 0)
 
 
 # ------------------------------------------------------------------------------------------------------------
