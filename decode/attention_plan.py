@@ -104,9 +104,16 @@ ROUTE_MIN_RUN = {
     (BFLOAT16, 128): ((1, 6), (2, 4), (4, 4, (5,)), (8, 2)),
 }
 
+
+def _skipped(entry) -> tuple:
+    """The run lengths a `ROUTE_MIN_RUN` entry leaves to the per-query kernel above its length (its third
+    element, if any)."""
+    return tuple(entry[2]) if len(entry) > 2 else ()
+
+
 LONGEST_MIN_RUN = max([MIN_RUN] + [e[1] for table in ROUTE_MIN_RUN.values() for e in table])   # any shapes' bound
 # a skipped length lies below it: from LONGEST_MIN_RUN on every shape's run is tiled (`decode.hf.query_chunks`)
-assert all(x < LONGEST_MIN_RUN for table in ROUTE_MIN_RUN.values() for e in table for x in (e[2:] or ((),))[0])
+assert all(x < LONGEST_MIN_RUN for table in ROUTE_MIN_RUN.values() for e in table for x in _skipped(e))
 
 
 def route_rule(group: int, head_dim: int, storage) -> tuple[int, tuple]:
@@ -122,7 +129,7 @@ def route_rule(group: int, head_dim: int, storage) -> tuple[int, tuple]:
     rule = (MIN_RUN, ())
     for entry in ROUTE_MIN_RUN[name, max(dims)]:
         if group >= entry[0]:
-            rule = (entry[1], tuple(entry[2]) if len(entry) > 2 else ())
+            rule = (entry[1], _skipped(entry))
     return rule
 
 
