@@ -179,6 +179,16 @@ def visible_work(query_pos, window) -> int:
     return int(query_pos.sum()) + len(query_pos)
 
 
+def _any_cut(query_pos, window, split) -> bool:
+    """Whether some query's visible keys ``[max(p + 1 - window, 0), p]`` cross a multiple of ``split``."""
+    if len(query_pos) == 0:
+        return False
+    if not window:                                   # keys from 0: cut once a query sits at or past split
+        return int(query_pos.max()) >= split
+    hi = query_pos + 1
+    return bool(((hi - 1) // split != np.maximum(hi - window, 0) // split).any())
+
+
 class QueryPlan:
     """The per-query kernel's units for queries at ``query_pos``: serial (`query_serial` on the calling thread)
     or parallel (`query_parallel`), units [U, 4] = (query, lo, hi, slot) cut at absolute multiples of
@@ -189,7 +199,7 @@ class QueryPlan:
     __slots__ = ("serial", "block", "ahead", "split", "units", "bounds", "items", "num_slots", "acc0", "dot")
 
     def __init__(self, query_pos, window, num_q_heads, head_dim, head_dim_v, page_size, acc0, *, mode=0,
-                 split_tokens=0):
+                 split_tokens=0, threads=None):
         self.block = block = page_size * max(1, BLOCK_TOKENS // page_size)
         self.ahead = PREFETCH_BYTES
         self.acc0 = acc0
@@ -197,12 +207,10 @@ class QueryPlan:
         width = num_q_heads * (head_dim + head_dim_v)
         split = split_tokens if split_tokens > 0 else SPLIT_TOKENS
         self.split = split = -(-split // block) * block
-        nthreads = numba.get_num_threads()
+        nthreads = numba.get_num_threads() if threads is None else threads
         self.serial = mode == 1 or (mode == 0 and (nthreads < 2 or visible_work(query_pos, window) * width
                                                    < SERIAL_WORK))
-        hi = query_pos + 1
-        lo = np.maximum(hi - window, 0) if window else np.zeros_like(hi)
-        cut = bool(((hi - 1) // split != lo // split).any())
+        cut = _any_cut(query_pos, window, split)
         if self.serial and not cut:
             self.units, self.bounds, self.items, self.num_slots = _NO_UNITS, None, _NO_ITEMS, 0
         else:
@@ -232,12 +240,12 @@ class TilePlan:
     __slots__ = ("runs", "serial", "tokens", "units", "bounds", "items", "parts", "slots", "acc0", "dot")
 
     def __init__(self, runs, keys, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, acc0, *, mode=0,
-                 split_tokens=0):
+                 split_tokens=0, threads=None):
         self.runs, self.acc0 = runs, acc0
         self.dot = bf16_dot.tile_mode()
         group = num_q_heads // num_kv_heads
         self.tokens = tokens = max(1, TILE_ROWS // group)
-        nthreads = numba.get_num_threads()
+        nthreads = numba.get_num_threads() if threads is None else threads
         work = keys * num_q_heads * (head_dim + head_dim_v)
         self.serial = mode == 1 or (mode == 0 and (work < TILED_SERIAL_WORK or nthreads < 2))
         split = split_tokens if split_tokens > 0 else TILED_SPLIT
@@ -267,12 +275,14 @@ class AttentionPlan:
     "bfloat16"; precision: "default" (q.k in float32) or "highest" (in float64; not for int8). mode (tests,
     tuning): 0 choose, 1 serial, 2 parallel; split_tokens > 0 forces pieces of that many tokens; tiled=False
     sends every query to the per-query kernel; min_run (None: `route_rule` of the shapes) forces the run length
-    from which runs are tiled, with no length skipped (1: every run; tests and `benchmarks.routing`)."""
+    from which runs are tiled, with no length skipped (1: every run; tests and `benchmarks.routing`); threads: the
+    thread count to plan for (None: numba's count now; 1 plans serial calls, which run on the calling thread
+    whatever numba's count is when they run: no `numba.set_num_threads` round trip for a serial forward)."""
 
     __slots__ = ("tiles", "rest", "single", "query_seq", "query_pos", "indices", "indptr", "out_shape")
 
     def __init__(self, query_seq, query_pos, window, q_shape, v_shape, storage, *, precision="default", mode=0,
-                 split_tokens=0, tiled=True, min_run=None):
+                 split_tokens=0, tiled=True, min_run=None, threads=None):
         num_queries, num_q_heads, head_dim = q_shape
         _, num_kv_heads, page_size, head_dim_v = v_shape
         skip = ()
@@ -289,12 +299,12 @@ class AttentionPlan:
             runs, rest, keys = find_runs(query_seq, query_pos, min_run, np.array(skip, np.int64), window)
             if len(runs):
                 self.tiles = TilePlan(runs, keys, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, acc0,
-                                      mode=mode, split_tokens=split_tokens)
+                                      mode=mode, split_tokens=split_tokens, threads=threads)
                 self.rest = rest
         rest_pos = query_pos if self.rest is None else query_pos[self.rest]
         if len(rest_pos):
             self.single = QueryPlan(rest_pos, window, num_q_heads, head_dim, head_dim_v, page_size, acc0, mode=mode,
-                                    split_tokens=split_tokens)
+                                    split_tokens=split_tokens, threads=threads)
 
     def run(self, q, k_pages, v_pages, page_indices, page_indptr, scale, window, out, k_scales=None, v_scales=None):
         """One layer: ``out [N, num_q_heads, head_dim_v]`` of ``q [N, num_q_heads, head_dim]`` (checked, compute

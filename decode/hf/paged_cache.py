@@ -146,6 +146,8 @@ class PagedCache(Cache):
         self._dtype_pending = False
         self._prompt_columns = 0         # columns of the first forward (the prompt), for CacheFullError
         self._checked_model = None       # `check_model`'s key of the config last found right
+        self._columns = {}               # decode steps' q / output buffers by shape (`ForwardPlan`'s columns)
+        self._all_real = {}              # B -> read-only all-True new_real [B, 1] of a decode step without padding
         self.stats = {"kernel_calls": 0, "forwards": 0, "tokens": 0, "deferred_releases": 0}
 
     # -- transformers' queries ----------------------------------------------------------------------------
@@ -216,16 +218,31 @@ class PagedCache(Cache):
     def _begin(self, config, query, key, new_real) -> None:
         self.check_model(config)
         batch, _, width, _ = query.shape
-        if new_real is None:
-            new_real = np.ones((batch, width), dtype=bool)
-        if new_real.shape != (batch, width):
-            raise ValueError(f"attention_mask: expected the new columns' padding mask [batch, new] = "
-                             f"{(batch, width)}, got {tuple(new_real.shape)}")
         fresh = self._seqs is None
         if not fresh and batch != len(self._seqs):
             raise ValueError(f"input batch: expected {len(self._seqs)} rows (the cache's; change them with "
                              f"reorder_cache / batch_select_indices / batch_repeat_interleave, or reset()), got "
                              f"{batch}")
+        if new_real is None:                                 # no padding: every row's new columns are real
+            new_real = self._all_real.get(batch) if width == 1 else np.ones((batch, width), dtype=bool)
+            if new_real is None:                             # a decode step's, made once per batch size
+                new_real = self._all_real[batch] = np.ones((batch, 1), dtype=bool)
+                new_real.flags.writeable = False
+        else:
+            self._check_padding(new_real, batch, width, fresh)
+        ids = self._forward_ids(batch, width)
+        if fresh:
+            self._begin_fresh(key.dtype, new_real, ids)
+        else:
+            self._follow_model_dtype(key.dtype, rebuild=False)
+            self._plan = self._plan_forward(self._seqs, new_real, ids)
+
+    def _check_padding(self, new_real: np.ndarray, batch: int, width: int, fresh: bool) -> None:
+        """The new columns' padding mask ``new_real [B, T]``: its shape, a real token in every row, and (sliding
+        windows) no pad after a real token."""
+        if new_real.shape != (batch, width):
+            raise ValueError(f"attention_mask: expected the new columns' padding mask [batch, new] = "
+                             f"{(batch, width)}, got {tuple(new_real.shape)}")
         held = np.zeros(batch, dtype=bool) if fresh else np.array([self.pool.length(s) > 0 for s in self._seqs])
         empty = ~held & ~new_real.any(axis=1)
         if empty.any():
@@ -234,12 +251,6 @@ class PagedCache(Cache):
                                           f"sdpa returns zeros there, eager NaN)")
         if any(self.layout.windows):
             self._refuse_inner_padding(new_real, held)
-        ids = self._forward_ids(batch, width)
-        if fresh:
-            self._begin_fresh(key.dtype, new_real, ids)
-        else:
-            self._follow_model_dtype(key.dtype, rebuild=False)
-            self._plan = self._plan_forward(self._seqs, new_real, ids)
 
     def _begin_fresh(self, model_dtype, new_real, ids) -> None:
         """The first forward: rows created in a pool group (undone with the forward if it fails, sequence-id
@@ -260,7 +271,7 @@ class PagedCache(Cache):
 
     def _plan_forward(self, seqs, new_real, ids) -> ForwardPlan:
         try:
-            return ForwardPlan(self.pool, seqs, new_real, self.kernel_threads, ids)
+            return ForwardPlan(self.pool, seqs, new_real, self.kernel_threads, ids, self._columns)
         except CacheFullError as err:
             used = self.pool.config.num_pages - self.pool.num_free_pages
             raise sizing.explain_full(err, page_size=self.pool.config.page_size, rows=len(seqs),

@@ -58,43 +58,59 @@ class ForwardPlan:
     pool : kvcache.KVCache       the shared pool
     seqs : list[int]             the pool sequence of each batch row
     new_real : bool [B, T]
-    kernel_threads : int or None numba threads for forwards of fewer than `PARALLEL_QUERIES` real tokens (set
-                                 at the first layer, given back at `commit` / `rollback`)
+    kernel_threads : int or None numba threads for forwards of fewer than `PARALLEL_QUERIES` real tokens: 1 plans
+                                 serial kernel calls (numba's count untouched), more are set at the first layer
+                                 and given back at `commit` / `rollback`
     token_ids : int [B, T] or None   the columns' token ids (prefix caching registers the real ones)
+    columns : dict or None       where decode steps' `TokenColumn` buffers are kept between forwards (the
+                                 caller's, one per cache: a forward only overwrites them)
 
     Attributes: ``num_tokens`` (N), ``plans_made`` (`AttentionPlan`s built: one per chunk and window).
     """
 
-    def __init__(self, pool, seqs, new_real: np.ndarray, kernel_threads: int | None = 1, token_ids=None):
-        self.pool, self.seqs, self.kernel_threads, self.new_real = pool, seqs, kernel_threads, new_real
+    def __init__(self, pool, seqs, new_real: np.ndarray, kernel_threads: int | None = 1, token_ids=None,
+                 columns: dict | None = None):
+        self.pool, self.seqs, self.new_real = pool, seqs, new_real
         self.batch, self.width = new_real.shape
-        counts = new_real.sum(axis=1, dtype=np.int64)                          # [B]
         starts = np.array([pool.length(s) for s in seqs], dtype=np.int64)      # pool length of each row
-        upto = starts[:, None] + np.cumsum(new_real, axis=1, dtype=np.int64)   # [B, T] real tokens through t
         ids = None if token_ids is None else {s: token_ids[b][new_real[b]] for b, s in enumerate(seqs)}
         # one new token in every row (a decode step): a `kvcache.TokenBatch`, one scatter per layer for all rows
-        self.one_each = bool((counts == 1).all()) and self.width == 1
+        self.one_each = self.width == 1 and bool(new_real.all())
         if self.one_each:                                                      # CacheFullError: nothing changed
             self.tx = pool.transaction(list(seqs), token_ids=ids)
+            counts = upto = None
         else:
+            counts = new_real.sum(axis=1, dtype=np.int64)                      # [B]
+            upto = starts[:, None] + np.cumsum(new_real, axis=1, dtype=np.int64)   # [B, T] real tokens through t
             self.tx = pool.transaction({s: int(c) for s, c in zip(seqs, counts)}, token_ids=ids)
         try:
-            self._tables(counts, upto)
+            self._tables(starts, counts, upto)
         except BaseException:
             self.tx.rollback()
             raise
         self.pools = pools_of(pool)                    # kernel views of the pages, made once per pool
         self.compute = self.pools.compute
         self.plans_made = 0
+        # the kernel's numba threads: None (numba's count as it is), 1 (serial plans: numba's count untouched) or
+        # more (set at the first layer, given back at commit / rollback)
+        self.kernel_threads = (None if kernel_threads is None or self.num_tokens >= PARALLEL_QUERIES
+                               else min(kernel_threads, numba.config.NUMBA_NUM_THREADS))
         self._plans = {}                  # window -> [(chunk, AttentionPlan)]
         self._shape = None                # (num_q_heads, head_dim) of the first layer's q: the plans'
         self._most = 0                    # queries of the largest chunk (its q / out buffers, made per layer)
         self._threads = None              # numba's thread count before this forward set the kernel's
         self._column = None               # a decode step's `TokenColumn` (one column per row, one chunk)
+        self._columns = {} if columns is None else columns      # TokenColumns by shape, kept across forwards
 
     # -- planning (once per forward) --------------------------------------------------------------------------
-    def _tables(self, counts, upto) -> None:
+    def _tables(self, starts, counts, upto) -> None:
         self.page_indices, self.page_indptr = self.tx.indices, self.tx.indptr   # int32 [pages], int64 [B + 1]
+        if self.one_each:                  # a decode step: row b's one query at its new token, position starts[b]
+            self.num_tokens, self._counts, self._kv_rows = self.batch, None, None
+            self.first = np.zeros(self.batch, dtype=np.int64)
+            self.query_seq, self.query_pos = np.arange(self.batch, dtype=np.int32), starts
+            self.padded = self.pad_first = False
+            return
         self.num_tokens = int(counts.sum())                                    # N: real new tokens
         attends = upto > 0                                                     # [B, T] columns with a query
         self.first = np.where(attends.any(axis=1), attends.argmax(axis=1), self.width).astype(np.int64)   # [B]
@@ -106,13 +122,24 @@ class ForwardPlan:
         self.pad_first = bool(self.first.any())                              # pad queries before a first token
 
     @property
+    def plans(self) -> list:
+        """Every `AttentionPlan` this forward has made (one per chunk and window), in the order made."""
+        return [plan for made in self._plans.values() for _, plan in made]
+
+    @property
+    def column(self) -> TokenColumn | None:
+        """A decode step's `TokenColumn` (its q / output buffers; set at the first layer), else None."""
+        return self._column
+
+    @property
     def kv_rows(self) -> list:
         """``[(b, seq, columns)]`` of the rows with new tokens: ``columns`` a slice of the real columns, or an int64
         index tensor when pads lie between them. Made at first use (a decode step writes every row at once and
         never asks)."""
         if self._kv_rows is None:
             rows = []
-            for b in np.flatnonzero(self._counts):
+            counts = self.new_real.sum(axis=1) if self._counts is None else self._counts
+            for b in np.flatnonzero(counts):
                 real = np.flatnonzero(self.new_real[b])
                 lo, hi = int(real[0]), int(real[-1]) + 1
                 columns = slice(lo, hi) if hi - lo == len(real) else torch.from_numpy(real)
@@ -144,7 +171,8 @@ class ForwardPlan:
                 b0, b1, t0, t1, q0 = chunk
                 q1 = q0 + (b1 - b0) * (t1 - t0)
                 plans.append((chunk, AttentionPlan(self.query_seq[q0:q1], self.query_pos[q0:q1], window,
-                                                   (q1 - q0, num_q_heads, head_dim), v_shape, self.pools.storage)))
+                                                   (q1 - q0, num_q_heads, head_dim), v_shape, self.pools.storage,
+                                                   threads=1 if self.kernel_threads == 1 else None)))
             self.plans_made += len(plans)
             self._plans[window] = plans
         return self._plans[window]
@@ -165,7 +193,10 @@ class ForwardPlan:
         self._chunks = query_chunks.chunks(self.first, self.width, limit)
         self._most = max(((b1 - b0) * (t1 - t0) for b0, b1, t0, t1, _ in self._chunks), default=0)
         if self.one_each and len(self._chunks) == 1:
-            self._column = TokenColumn(self.batch, num_q_heads, cfg.head_dim, dv, self.compute)
+            shape = (self.batch, num_q_heads, cfg.head_dim, dv, self.compute)
+            self._column = self._columns.get(shape)
+            if self._column is None:
+                self._column = self._columns[shape] = TokenColumn(*shape)
 
     # -- one layer --------------------------------------------------------------------------------------------
     def run_layer(self, layer: int, query, key, value, scale, window: int) -> torch.Tensor:
@@ -184,9 +215,9 @@ class ForwardPlan:
         else:
             self._check_finite(query, key, value)
         scale = self._scale(scale)
-        if self._threads is None and self.kernel_threads is not None and self.num_tokens < PARALLEL_QUERIES:
+        if self._threads is None and self.kernel_threads is not None and self.kernel_threads > 1:
             self._threads = numba.get_num_threads()     # given back at commit / rollback (`_restore_threads`)
-            numba.set_num_threads(min(self.kernel_threads, numba.config.NUMBA_NUM_THREADS))
+            numba.set_num_threads(self.kernel_threads)
         plans = self._plan(window)
         if self._column is not None:
             self._write_token(layer, key, value, k, v)

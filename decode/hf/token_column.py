@@ -1,6 +1,7 @@
 """A decode step's per-layer tensor glue: one new column per row, in one chunk (`decode.hf.plan.ForwardPlan`
-with every row adding one token). The buffers and the torch views of them are made once per forward, so a layer
-costs one copy of q in and one conversion of the output back (the plan checks q, k and v in one jitted call,
+with every row adding one token). The buffers and the torch views of them are made once per cache and shape (the
+cache keeps them between forwards: each forward only overwrites them), so a layer costs one copy of q in and one
+conversion of the output back (the plan checks q, k and v in one jitted call,
 `layer_tensors.arrays_finite`); between the
 model's GEMMs each Python step costs several times its standalone time (measured: the per-layer glue of a
 bfloat16 decode step was ~400 µs against ~90 µs standalone).
@@ -21,7 +22,8 @@ TORCH_OF = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.flo
 
 
 class TokenColumn:
-    """The q and output buffers of one forward's decode step (compute dtype), with torch views of them."""
+    """The q and output buffers of a decode step (compute dtype), with torch views of them; no tensor handed out
+    is a view of them, so the next layer or forward may overwrite them."""
 
     def __init__(self, batch: int, num_q_heads: int, head_dim: int, head_dim_v: int, compute: np.dtype):
         self.compute = compute

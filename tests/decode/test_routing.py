@@ -135,3 +135,26 @@ def test_routed_output_within_budget_at_the_boundary(storage, reduced_grid):
                                            **kw)
             assert np.array_equal(alone, batch[one]), (group, n)
             first += n
+
+
+@pytest.mark.parametrize("count", [1, 64])
+def test_a_plan_for_one_thread_is_serial_whatever_numbas_count(count):
+    """``threads=1`` plans serial calls (run on the calling thread) and ``threads=2`` parallel ones for the same
+    long call, whatever numba's count is while planning: a forward on one kernel thread never sets numba's count
+    (`decode.hf.plan.ForwardPlan`)."""
+    import numba
+
+    seqs = np.zeros(count, np.int32)
+    pos = 8192 + np.arange(count, dtype=np.int64)
+    before = numba.get_num_threads()
+    try:
+        for numba_count in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(numba_count)
+            for threads in (1, 2):
+                plan = AP.AttentionPlan(seqs, pos, 0, (count, 32, 128), (8, 8, 16, 128), np.dtype(np.float32),
+                                        threads=threads)
+                parts = [p for p in (plan.tiles, plan.single) if p is not None]
+                assert len(parts) == 1 and (plan.tiles is not None) == (count > 1)
+                assert parts[0].serial == (threads == 1)
+    finally:
+        numba.set_num_threads(before)

@@ -2,8 +2,9 @@
 output buffers kept for the forward). Every model dtype, in place (a contiguous float32 q on float32-compute
 pages) or copied (bfloat16 / float16 / float64 q, a strided q), against the float64 reference over the stored
 history; each layer's output keeps its values after later layers run (no buffer behind a returned tensor); a
-non-finite q / k / v (or a float64 q that overflows float32) is named at its index before its layer writes; the
-kernel's thread count holds for the whole forward and is given back at its commit or rollback."""
+non-finite q / k / v (or a float64 q that overflows float32) is named at its index before its layer writes; a
+kernel thread count above 1 holds for the whole forward and is given back at its commit or rollback, one thread
+plans serial calls without touching numba's count; the buffers are kept between forwards, never handed out."""
 import numba
 import numpy as np
 import pytest
@@ -106,17 +107,62 @@ def test_a_bad_value_in_a_decode_step_is_named_before_its_layer_writes(pages, dt
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads to tell the counts apart")
 @pytest.mark.parametrize("end", ["commit", "rollback"])
 def test_the_kernel_thread_count_holds_for_the_forward_and_is_given_back(end):
-    """`kernel_threads` is set at a forward's first layer (not per layer) and numba's count is given back when the
-    forward commits or rolls back."""
+    """`kernel_threads` > 1 is set at a forward's first layer (not per layer) and numba's count is given back when
+    the forward commits or rolls back."""
     pool, seqs = filled("float32", torch.float32)
     before = numba.get_num_threads()
-    numba.set_num_threads(2)
+    numba.set_num_threads(1)
     try:
-        plan = ForwardPlan(pool, seqs, np.ones((ROWS, 1), dtype=bool), kernel_threads=1)
+        plan = ForwardPlan(pool, seqs, np.ones((ROWS, 1), dtype=bool), kernel_threads=2)
         for layer in range(LAYERS):
             plan.run_layer(layer, *tensors(1, 60 + layer, torch.float32), None, 0)
-            assert numba.get_num_threads() == 1
+            assert numba.get_num_threads() == 2
         getattr(plan, end)()
-        assert numba.get_num_threads() == 2
+        assert numba.get_num_threads() == 1
     finally:
         numba.set_num_threads(before)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads to tell the counts apart")
+@pytest.mark.parametrize("width", [1, HISTORY])
+def test_one_kernel_thread_plans_serial_calls_and_leaves_numbas_count(width):
+    """`kernel_threads=1` plans every kernel call serial (run on the calling thread) without touching numba's
+    count, whatever that count is; the outputs are bitwise those of a forward run with numba's count set to 1."""
+    outs = {}
+    before = numba.get_num_threads()
+    try:
+        for threads, count in ((1, 2), (None, 1)):
+            pool, seqs = filled("float32", torch.float32)
+            numba.set_num_threads(count)
+            plan = ForwardPlan(pool, seqs, np.ones((ROWS, width), dtype=bool), kernel_threads=threads)
+            outs[threads] = [plan.run_layer(layer, *tensors(width, 70 + layer, torch.float32), None, 0)
+                             for layer in range(LAYERS)]
+            assert numba.get_num_threads() == count
+            made = plan.plans if threads == 1 else []
+            plan.commit()
+            assert numba.get_num_threads() == count
+            for p in made:
+                assert all(part.serial for part in (p.tiles, p.single) if part is not None)
+    finally:
+        numba.set_num_threads(before)
+    for a, b in zip(outs[1], outs[None]):
+        assert torch.equal(a, b)
+
+
+def test_a_decode_steps_buffers_are_kept_between_forwards_and_never_handed_out():
+    """The `TokenColumn` of a decode step is made once per shape in the `columns` given (the cache's) and reused
+    by the next forward; every output stays as it was after later forwards overwrite the buffers."""
+    pool, seqs = filled("float32", torch.bfloat16)
+    columns, outs, seen = {}, [], []
+    for step in range(3):
+        plan = ForwardPlan(pool, seqs, np.ones((ROWS, 1), dtype=bool), columns=columns)
+        q, k, v = tensors(1, 80 + step, torch.bfloat16)
+        out = plan.run_layer(0, q, k, v, None, 0)
+        outs.append((out, out.clone(), q))
+        for layer in range(1, LAYERS):
+            plan.run_layer(layer, *tensors(1, 90 + layer, torch.bfloat16), None, 0)
+        plan.commit()
+        seen.append(plan.column)
+    assert len(columns) == 1 and all(c is seen[0] for c in seen)
+    for out, kept, _ in outs:
+        assert torch.equal(out, kept)
