@@ -18,8 +18,9 @@ padding of a full-attention model) attends them all, as sdpa and eager compute i
 itself is masked), so a right-padded row's last column gives the same next token as theirs.
 
 Memory: the queries are attended in chunks (`decode.hf.query_chunks`) whose q / output copies and split-K
-workspace stay within a few MiB; K/V go to the pool from views of the model's tensors (bfloat16 into bfloat16
-pages as their bits, no conversion at all).
+workspace stay within a few MiB (the copies' buffers are made once a forward, at its first layer, and given back at
+its end); K/V go to the pool from views of the model's tensors (bfloat16 into bfloat16 pages as their bits, no
+conversion at all).
 """
 import math
 import numbers
@@ -100,6 +101,7 @@ class ForwardPlan:
         self._most = 0                    # queries of the largest chunk (its q / out buffers, made per layer)
         self._threads = None              # numba's thread count before this forward set the kernel's
         self._column = None               # a decode step's `TokenColumn` (one column per row, one chunk)
+        self._q_buf = self._out_buf = None   # q / out copies (not a decode step's), kept for the forward
         self._columns = {} if columns is None else columns      # TokenColumns by shape, kept across forwards
 
     # -- planning (once per forward) --------------------------------------------------------------------------
@@ -292,10 +294,13 @@ class ForwardPlan:
         out_t = (torch.zeros if self.pad_first else torch.empty)((self.batch, self.width, num_q_heads, dv),
                                                                  dtype=query.dtype)         # [B, T, Hq, Dv]
         direct_out = out_t.dtype == TORCH_OF[self.compute]
-        # q / out copies in the compute dtype: made for this layer only and given back to the OS after it (a
-        # forward's buffers held across its layers add to the peak of the model's own activations)
-        q_buf = None
-        out_buf = None if direct_out else query_chunks.scratch((self._most, num_q_heads, dv), self.compute)
+        # q / out copies in the compute dtype: made at the first layer that needs them and kept for the forward's
+        # layers (a mapping made and unmapped per layer cost its page faults every layer: 4 MiB ~2.9 ms here), given
+        # back to the OS at its commit / rollback
+        q_buf = self._q_buf
+        out_buf = None if direct_out else self._out_buf
+        if out_buf is None and not direct_out:
+            out_buf = self._out_buf = query_chunks.scratch((self._most, num_q_heads, dv), self.compute)
         pools = self.pools
         k_run, v_run, k_scales, v_scales = (pools.k_run[layer], pools.v_run[layer], pools.k_scales[layer],
                                             pools.v_scales[layer])
@@ -306,7 +311,7 @@ class ForwardPlan:
                 q = q_view.numpy().reshape(n, num_q_heads, -1)
             else:
                 if q_buf is None:
-                    q_buf = query_chunks.scratch((self._most,) + self._shape, self.compute)
+                    q_buf = self._q_buf = query_chunks.scratch((self._most,) + self._shape, self.compute)
                 q = q_buf[:n]
                 torch.from_numpy(q).view(q_view.shape).copy_(q_view)
             o_view = layer_tensors.chunk_view(out_t, chunk, False)                          # [rows, cols, Hq, Dv]
@@ -326,12 +331,16 @@ class ForwardPlan:
         return column.result(out, dtype)
 
     def commit(self) -> None:
-        self._restore_threads()
+        self._end()
         self.tx.commit()
 
     def rollback(self) -> None:
-        self._restore_threads()
+        self._end()
         self.tx.rollback()
+
+    def _end(self) -> None:
+        self._q_buf = self._out_buf = None          # the buffers' mappings go back to the OS
+        self._restore_threads()
 
     def _restore_threads(self) -> None:
         """numba's thread count as it was before the first layer: the kernel's count holds for the whole forward

@@ -199,3 +199,34 @@ def test_heap_trim_runs_on_glibc():
 
     from decode.hf import heap
     assert heap.trim() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+
+
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+def test_a_forwards_q_and_output_copies_are_made_once_and_given_back_at_its_end(monkeypatch, end):
+    """A multi-token forward of a bfloat16 model copies q and the output through float32 buffers: made at the first
+    layer and reused by every later one (a mapping per layer cost its page faults each time), no output a view of
+    them (each layer's keeps its values), and both gone once the forward commits or rolls back."""
+    import gc
+    import weakref
+
+    made = []
+    scratch = query_chunks.scratch
+
+    def counted(shape, dtype):
+        array = scratch(shape, dtype)
+        made.append(weakref.ref(array))
+        return array
+    monkeypatch.setattr(query_chunks, "scratch", counted)
+    pool = _pool(layers=4)
+    seqs = [pool.create_sequence() for _ in range(2)]
+    plan = ForwardPlan(pool, seqs, np.ones((2, 6), dtype=bool))
+    outs = []
+    for layer in range(4):
+        out = plan.run_layer(layer, *_tensors(2, 6, seed=20 + layer, dtype=torch.bfloat16), None, 0)
+        assert out.dtype == torch.bfloat16
+        outs.append((out, out.clone()))
+    assert len(made) == 2 and all(ref() is not None for ref in made)           # q and output, once
+    assert all(torch.equal(out, kept) for out, kept in outs)
+    getattr(plan, end)()
+    gc.collect()
+    assert all(ref() is None for ref in made)
