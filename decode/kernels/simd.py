@@ -49,6 +49,18 @@ def prefetch_lines(tile, r0, r1):
     return None
 
 
+OS_PAGE = 4096      # bytes of the memory pages whose address translations `touch_pages` requests
+
+
+def touch_pages(tile, r0, r1):
+    """Read one byte at every `OS_PAGE` boundary inside rows [r0, r1) of a C-contiguous tile (as `prefetch_lines`
+    counts rows), and at the span's first byte: a real load, which makes the CPU translate the page's address
+    (a TLB miss walks the page tables while the kernel goes on), where a prefetch hint that misses the TLB is
+    dropped. Touched further ahead than `prefetch_lines` hints, a page's translation is there when its lines are
+    hinted. Nothing outside the rows is read; a no-op without the JIT."""
+    return None
+
+
 def borrow(a):
     """``a`` (an array, or None) without its reference count: the same data, shape and strides, no owner (numba's
     meminfo NULL, as for a global constant array), so that views of it and calls taking it increment and decrement
@@ -145,6 +157,40 @@ if JIT:
     @overload(prefetch_lines)
     def _prefetch_lines_ov(tile, r0, r1):
         return lambda tile, r0, r1: _prefetch_lines_intrinsic(tile, r0, r1)
+
+    @intrinsic
+    def _touch_pages_intrinsic(typingctx, tile, r0, r1):
+        if not (isinstance(tile, types.Array) and tile.ndim >= 2 and isinstance(r0, types.Integer)
+                and isinstance(r1, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            from numba.core import cgutils
+            aty = sig.args[0]
+            ary = context.make_array(aty)(context, builder, args[0])
+            cols = cgutils.unpack_tuple(builder, ary.shape, aty.ndim)[aty.ndim - 1]
+            i64 = _ir.IntType(64)
+            i8p = _ir.IntType(8).as_pointer()
+            item = _ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(aty.dtype)))
+            a = context.cast(builder, args[1], sig.args[1], types.int64)
+            b = context.cast(builder, args[2], sig.args[2], types.int64)
+            base = builder.ptrtoint(ary.data, i64)
+            lo = builder.add(base, builder.mul(builder.mul(a, cols), item))            # the span's bytes [lo, hi)
+            hi = builder.add(base, builder.mul(builder.mul(b, cols), item))
+            mask = _ir.Constant(i64, ~(OS_PAGE - 1))
+            first = builder.and_(builder.add(lo, _ir.Constant(i64, OS_PAGE - 1)), mask)   # first boundary >= lo
+            with builder.if_then(builder.icmp_unsigned("<", lo, hi)):
+                # a monotonic atomic load: a plain load in the machine code, which the optimiser may not delete
+                builder.load_atomic(builder.inttoptr(lo, i8p), "monotonic", 1)
+                with cgutils.for_range_slice(builder, first, hi, _ir.Constant(i64, OS_PAGE)) as (addr, _):
+                    builder.load_atomic(builder.inttoptr(addr, i8p), "monotonic", 1)
+            return context.get_dummy_value()
+
+        return types.void(tile, r0, r1), codegen
+
+    @overload(touch_pages)
+    def _touch_pages_ov(tile, r0, r1):
+        return lambda tile, r0, r1: _touch_pages_intrinsic(tile, r0, r1)
 
     @overload(ld)
     def _ld_ov(x):
