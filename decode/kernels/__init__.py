@@ -12,8 +12,9 @@
     bf16_dot.py   bfloat16 pages by vdpbf16ps: q split exactly into bfloat16 parts, the 4 x 4 / 1 x 4 dot blocks
     pair_scores.py the tiled kernel's score GEMM over bfloat16 pairs (vdpbf16ps) for a tile whose q is exactly
                   bfloat16
-    simd.py       scalar and SIMD helpers: element loads, prefetch, exact 2**n, polynomial exp, LLVM-IR dot and PV
-                  register blocks (each with a plain-Python twin for NUMBA_DISABLE_JIT)
+    simd.py       scalar and SIMD helpers: element loads, prefetch hints and page touches (address translations
+                  ahead of the hints), exact 2**n, polynomial exp, LLVM-IR dot and PV register blocks (each with a
+                  plain-Python twin for NUMBA_DISABLE_JIT)
     gemm.py       the 4- / 6-row register-blocked micro-GEMMs in LLVM IR that tiled.py's tiles run on (float32 /
                   float64 FMAs; bfloat16 pairs by vdpbf16ps, `gemm_strip_bf`)
     input_check.py the one-pass input check of the validating wrapper (its codes: `CheckCode`)

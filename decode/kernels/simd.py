@@ -1,6 +1,6 @@
 """Scalar and SIMD helpers shared by the kernels: storage element loads (float16 bits -> float32), prefetch hints,
-exact 2**n, a polynomial exp, and LLVM-IR register blocks (4x4 / 1x4 dot products, 4-head and 1-head PV
-accumulation).
+page touches (`touch_pages`), exact 2**n, a polynomial exp, and LLVM-IR register blocks (4x4 / 1x4 dot products,
+4-head and 1-head PV accumulation).
 Each has a plain-Python twin used under NUMBA_DISABLE_JIT and a typed implementation for the JIT."""
 import math
 
@@ -125,68 +125,66 @@ if JIT:
     def _prefetch_ov(row, i):
         return lambda row, i: _prefetch_intrinsic(row, i)
 
-    @intrinsic
-    def _prefetch_lines_intrinsic(typingctx, tile, r0, r1):
-        if not (isinstance(tile, types.Array) and tile.ndim >= 2 and isinstance(r0, types.Integer)
-                and isinstance(r1, types.Integer)):
-            return None
+    def _span_bytes(context, builder, sig, args):
+        """(data pointer as i8*, first byte offset, end byte offset) of rows [r0, r1) of a C-contiguous tile, whose
+        rows are its last axis."""
+        from numba.core import cgutils
+        aty = sig.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        cols = cgutils.unpack_tuple(builder, ary.shape, aty.ndim)[aty.ndim - 1]
+        i64 = _ir.IntType(64)
+        item = _ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(aty.dtype)))
+        a = context.cast(builder, args[1], sig.args[1], types.int64)
+        b = context.cast(builder, args[2], sig.args[2], types.int64)
+        base = builder.bitcast(ary.data, _ir.IntType(8).as_pointer())
+        return base, builder.mul(builder.mul(a, cols), item), builder.mul(builder.mul(b, cols), item)
 
-        def codegen(context, builder, sig, args):
-            from numba.core import cgutils
-            aty = sig.args[0]
-            ary = context.make_array(aty)(context, builder, args[0])
-            cols = cgutils.unpack_tuple(builder, ary.shape, aty.ndim)[aty.ndim - 1]
-            i64 = _ir.IntType(64)
-            i32 = _ir.IntType(32)
-            i8p = _ir.IntType(8).as_pointer()
-            item = _ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(aty.dtype)))
-            a = context.cast(builder, args[1], sig.args[1], types.int64)
-            b = context.cast(builder, args[2], sig.args[2], types.int64)
-            base = builder.bitcast(ary.data, i8p)
-            lo = builder.mul(builder.mul(a, cols), item)
-            hi = builder.mul(builder.mul(b, cols), item)
-            fn = cgutils.get_or_insert_function(builder.module, _ir.FunctionType(_ir.VoidType(), [i8p, i32, i32, i32]),
-                                                "llvm.prefetch.p0")
-            with cgutils.for_range_slice(builder, lo, hi, _ir.Constant(i64, 64)) as (off, _):
-                builder.call(fn, [builder.gep(base, [off]), _ir.Constant(i32, 0), _ir.Constant(i32, 2),
-                                  _ir.Constant(i32, 1)])
-            return context.get_dummy_value()
+    def _span_intrinsic(emit):
+        """An intrinsic ``(tile, r0, r1) -> None`` over the bytes of rows [r0, r1) of a tile of >= 2 dimensions,
+        whose code is ``emit(builder, base, lo, hi)`` (`_span_bytes`)."""
+        def typer(typingctx, tile, r0, r1):
+            if not (isinstance(tile, types.Array) and tile.ndim >= 2 and isinstance(r0, types.Integer)
+                    and isinstance(r1, types.Integer)):
+                return None
 
-        return types.void(tile, r0, r1), codegen
+            def codegen(context, builder, sig, args):
+                emit(builder, *_span_bytes(context, builder, sig, args))
+                return context.get_dummy_value()
+
+            return types.void(tile, r0, r1), codegen
+        typer.__name__ = typer.__qualname__ = emit.__name__
+        return intrinsic(typer)
+
+    def _emit_prefetch_lines(builder, base, lo, hi):
+        """One prefetch hint (read, into L2) per 64-byte line of the span."""
+        from numba.core import cgutils
+        i32 = _ir.IntType(32)
+        hint = _ir.FunctionType(_ir.VoidType(), [base.type, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, hint, "llvm.prefetch.p0")
+        read, l2, data = _ir.Constant(i32, 0), _ir.Constant(i32, 2), _ir.Constant(i32, 1)
+        with cgutils.for_range_slice(builder, lo, hi, _ir.Constant(_ir.IntType(64), 64)) as (off, _):
+            builder.call(fn, [builder.gep(base, [off]), read, l2, data])
+
+    def _emit_touch_pages(builder, base, lo, hi):
+        """One byte loaded at the span's start and at every `OS_PAGE` boundary inside it."""
+        from numba.core import cgutils
+        i64 = _ir.IntType(64)
+        start = builder.ptrtoint(base, i64)
+        lo = builder.add(start, lo)                                                      # the span's bytes [lo, hi)
+        hi = builder.add(start, hi)
+        first = builder.and_(builder.add(lo, _ir.Constant(i64, OS_PAGE - 1)), _ir.Constant(i64, ~(OS_PAGE - 1)))
+        with builder.if_then(builder.icmp_unsigned("<", lo, hi)):
+            # a monotonic atomic load: a plain load in the machine code, which the optimiser may not delete
+            builder.load_atomic(builder.inttoptr(lo, base.type), "monotonic", 1)
+            with cgutils.for_range_slice(builder, first, hi, _ir.Constant(i64, OS_PAGE)) as (addr, _):
+                builder.load_atomic(builder.inttoptr(addr, base.type), "monotonic", 1)
+
+    _prefetch_lines_intrinsic = _span_intrinsic(_emit_prefetch_lines)
+    _touch_pages_intrinsic = _span_intrinsic(_emit_touch_pages)
 
     @overload(prefetch_lines)
     def _prefetch_lines_ov(tile, r0, r1):
         return lambda tile, r0, r1: _prefetch_lines_intrinsic(tile, r0, r1)
-
-    @intrinsic
-    def _touch_pages_intrinsic(typingctx, tile, r0, r1):
-        if not (isinstance(tile, types.Array) and tile.ndim >= 2 and isinstance(r0, types.Integer)
-                and isinstance(r1, types.Integer)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            from numba.core import cgutils
-            aty = sig.args[0]
-            ary = context.make_array(aty)(context, builder, args[0])
-            cols = cgutils.unpack_tuple(builder, ary.shape, aty.ndim)[aty.ndim - 1]
-            i64 = _ir.IntType(64)
-            i8p = _ir.IntType(8).as_pointer()
-            item = _ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(aty.dtype)))
-            a = context.cast(builder, args[1], sig.args[1], types.int64)
-            b = context.cast(builder, args[2], sig.args[2], types.int64)
-            base = builder.ptrtoint(ary.data, i64)
-            lo = builder.add(base, builder.mul(builder.mul(a, cols), item))            # the span's bytes [lo, hi)
-            hi = builder.add(base, builder.mul(builder.mul(b, cols), item))
-            mask = _ir.Constant(i64, ~(OS_PAGE - 1))
-            first = builder.and_(builder.add(lo, _ir.Constant(i64, OS_PAGE - 1)), mask)   # first boundary >= lo
-            with builder.if_then(builder.icmp_unsigned("<", lo, hi)):
-                # a monotonic atomic load: a plain load in the machine code, which the optimiser may not delete
-                builder.load_atomic(builder.inttoptr(lo, i8p), "monotonic", 1)
-                with cgutils.for_range_slice(builder, first, hi, _ir.Constant(i64, OS_PAGE)) as (addr, _):
-                    builder.load_atomic(builder.inttoptr(addr, i8p), "monotonic", 1)
-            return context.get_dummy_value()
-
-        return types.void(tile, r0, r1), codegen
 
     @overload(touch_pages)
     def _touch_pages_ov(tile, r0, r1):
