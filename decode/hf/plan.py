@@ -98,7 +98,7 @@ class ForwardPlan:
                                else min(kernel_threads, numba.config.NUMBA_NUM_THREADS))
         self._plans = {}                  # window -> [(chunk, AttentionPlan)]
         self._shape = None                # (num_q_heads, head_dim) of the first layer's q: the plans'
-        self._most = 0                    # queries of the largest chunk (its q / out buffers, made per layer)
+        self._most = 0                    # queries of the largest chunk (the size of the q / out buffers)
         self._threads = None              # numba's thread count before this forward set the kernel's
         self._column = None               # a decode step's `TokenColumn` (one column per row, one chunk)
         self._q_buf = self._out_buf = None   # q / out copies (not a decode step's), kept for the forward
