@@ -22,7 +22,8 @@ GROUP = 32          # values per int8 scale group (the width of a scale row: cei
 # pages are touched (`simd.touch_pages`) this many times the prefetch distance ahead, so that a page's address
 # translation is in the TLB before its lines are hinted (a hint that misses the TLB is dropped). Measured on the
 # 2-vCPU Zen 4 guest (4 KiB pages under nested paging, no transparent huge pages): a cold one-thread call over
-# 1 MiB of bfloat16 K/V 197 -> 184 µs at 2x, 180 at 3x; touching within the hinted rows (1x) did not help
+# 1 MiB of bfloat16 K/V 197 -> 184 µs at 3x; touching within the hinted rows (1x) did not help; on the 2-thread
+# decode cells 2x, 3x, 5x and 8x measured alike (docs/kernel.md, "Memory access")
 TOUCH_FACTOR = 3
 
 
