@@ -13,8 +13,11 @@
     pair_scores.py the tiled kernel's score GEMM over bfloat16 pairs (vdpbf16ps) for a tile whose q is exactly
                   bfloat16
     simd.py       scalar and SIMD helpers: element loads, prefetch hints and page touches (address translations
-                  ahead of the hints), exact 2**n, polynomial exp, LLVM-IR dot and PV register blocks (each with a
+                  ahead of the hints), borrowed arrays, exact 2**n, lane reductions, polynomial exp (each with a
                   plain-Python twin for NUMBA_DISABLE_JIT)
+    register_blocks.py the LLVM-IR dot (4 x 4, 1 x 4) and PV (4-head, 1-head) register blocks, with NumPy twins
+    vector_ir.py  the LLVM IR the vector code is built of: widening loads, masked tails, ordered adds, FMAs, the
+                  butterfly reduction of many accumulators, bfloat16 pair shuffles
     gemm.py       the 4- / 6-row register-blocked micro-GEMMs in LLVM IR that tiled.py's tiles run on (float32 /
                   float64 FMAs; bfloat16 pairs by vdpbf16ps, `gemm_strip_bf`)
     input_check.py the one-pass input check of the validating wrapper (its codes: `CheckCode`)

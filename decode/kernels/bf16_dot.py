@@ -4,13 +4,13 @@ lanes per instruction, twice the products of a float32 FMA and no widening of th
 The query is split exactly into bfloat16 parts by truncation: hi = the high half of each float32, mid = the high
 half of q - hi, lo = q - hi - mid (8 + 8 + 8 significand bits: q = hi + mid + lo exactly for every normal float32).
 A bfloat16 model's q has zero low halves: one part. A product of two bfloat16 is exact in float32, so a score's
-only roundings are its float32 additions, as on the widen-and-FMA path (`simd.dot44`). vdpbf16ps reads bfloat16
+only roundings are its float32 additions, as on the widen-and-FMA path (`register_blocks.dot44`). vdpbf16ps reads bfloat16
 subnormals as zero and flushes subnormal float32 sums to zero (|x| < 2**-126, far below the 1e-6 budget).
 
 How a query's scores are computed (`mode`, a run-time argument of the per-query kernel, set by the plan from
 `plan_mode`; a run-time value, so one compiled kernel serves every mode and numba's cache never holds a stale
 choice):
-    0  `simd.dot44` / `dot14` on q itself (key rows widened by zero-extension and a shift)
+    0  `register_blocks.dot44` / `dot14` on q itself (key rows widened by zero-extension and a shift)
     1  vdpbf16ps where q is exactly bfloat16 (one part) and a kv head has >= MIN_GROUP q heads; otherwise as 0
        (measured: below 4 heads the 1 x 4 block is latency-bound and vdpbf16ps loses; a float32 q would need 3
        parts, each as costly as the shift path's FMAs)
@@ -24,7 +24,7 @@ A part that is zero adds exact zeros, so a bfloat16 q gets the same bits in mode
                                             halves (parts -1); 0: mode 0 / not bfloat16 pages
     dot44_bf / dot14_bf                     the register blocks (4 heads x 4 keys, 1 x 4), LLVM IR; NumPy twins:
                                             `blocks.qk`'s loop runs them (qb int16 parts, or qf float32 halves
-                                            with parts 1) as it runs `simd.dot44` / `dot14` on q itself
+                                            with parts 1) as it runs `register_blocks.dot44` / `dot14` on q itself
 
 Without avx512bf16 (`HOST` False) the IR blocks compute the same sums with a 16-bit shift / mask and two FMAs
 per pair of lanes (`native=False`, bit for bit the instruction's sums); the plan keeps such machines on mode 0.
@@ -130,7 +130,7 @@ def split_query(qi, qb, qf, mode):
     """Prepare one query qi [Hq, D] float32 for the scores over bfloat16 pages; qb [H, G, 3 * Dp] int16, qf [H, G,
     Dp] float32 (H * G = Hq; empty: pages not bfloat16 or q.k not in float32). Returns what the scores use:
     1-3: that many bfloat16 parts in qb (vdpbf16ps); -1: q's float32 (even, odd) halves in qf (two FMAs per
-    pair); 0: neither (`simd.dot44` on q itself)."""
+    pair); 0: neither (`register_blocks.dot44` on q itself)."""
     if mode == 0 or qb.size == 0:
         return 0
     if mode == 3:
@@ -300,7 +300,7 @@ def dot14_bf(qb, g, parts, kp, t, n, last):
 if JIT:
     from numba.core import cgutils as _cg
 
-    from .simd import bf16_pairs_ir, lane_mask, reduce_many_ir
+    from .vector_ir import bf16_pairs_ir, lane_mask, reduce_many_ir
 
     _I16 = _ir.IntType(16)
     _I32 = _ir.IntType(32)

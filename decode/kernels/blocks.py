@@ -7,7 +7,8 @@ wraparound select) and vectorises them."""
 from numba import njit
 
 from .bf16_dot import dot14_bf, dot44_bf
-from .simd import FAST, JIT, dot14, dot44, exp, lane_max, lane_sum, ld, pv1, pv4
+from .register_blocks import dot14, dot44, pv1, pv4
+from .simd import FAST, JIT, exp, lane_max, lane_sum, ld
 
 
 @njit(cache=True, fastmath=FAST)
@@ -39,7 +40,7 @@ def store_some(S, g, heads, c, r, keys):
 
 def dot44_q(q, g, parts, kp, t, n, last):
     """The 4 heads x 4 keys block of `qk` for q as given: parts None, q itself in the accumulation dtype
-    (`simd.dot44`); else q as `bf16_dot.split_query` prepared it, its first ``parts`` bfloat16 parts (int16) or its
+    (`register_blocks.dot44`); else q as `bf16_dot.split_query` prepared it, its first ``parts`` bfloat16 parts (int16) or its
     float32 halves (`bf16_dot.dot44_bf`). Chosen at compile time by the type of ``parts``."""
     if parts is None:
         return dot44(q, g, kp, t, n, last)
@@ -47,7 +48,7 @@ def dot44_q(q, g, parts, kp, t, n, last):
 
 
 def dot14_q(q, g, parts, kp, t, n, last):
-    """The 1 head x 4 keys block of `qk` (`simd.dot14` / `bf16_dot.dot14_bf`, as `dot44_q`)."""
+    """The 1 head x 4 keys block of `qk` (`register_blocks.dot14` / `bf16_dot.dot14_bf`, as `dot44_q`)."""
     if parts is None:
         return dot14(q, g, kp, t, n, last)
     return dot14_bf(q, g, parts, kp, t, n, last)

@@ -35,7 +35,7 @@ to LANES). The plain-NumPy twins run under NUMBA_DISABLE_JIT (the same chunks).
 import numpy as np
 
 from . import cachedir  # noqa: F401
-from .simd import row_f
+from .register_blocks import row_f
 
 from numba import types
 from numba.core import config as _nb_config
@@ -122,7 +122,7 @@ if JIT:
     from numba.core import cgutils as _cg
 
     from . import bf16_dot
-    from .simd import vload_ir
+    from .vector_ir import vload_ir
 
     _I64 = _ir.IntType(64)
     _I32 = _ir.IntType(32)

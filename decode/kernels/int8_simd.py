@@ -17,7 +17,7 @@ from numba.extending import intrinsic, overload
 from .simd import JIT
 
 if JIT:
-    from .simd import reduce_many_ir, widen_halves_ir
+    from .vector_ir import reduce_many_ir, widen_halves_ir
 
 GROUP = 32            # values per scale (kvcache.quant.GROUP_SIZE; the kernels import nothing of kvcache)
 

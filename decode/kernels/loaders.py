@@ -1,7 +1,7 @@
 """Row loaders: the one place where the kernels' skeletons (`per_query`, `tiled`) meet a storage format.
 
 A format is how a page row is read into compute values. The element type of the pages as handed to the kernels
-selects it at compile time (`simd.ld` for one element, `simd._widen` for a vector: both exact):
+selects it at compile time (`simd.ld` for one element, `vector_ir.widen_ir` for a vector: both exact):
 
     float32 / float64   as stored
     uint16              float16 bits (pages stored as float16, viewed as uint16)
@@ -11,7 +11,7 @@ selects it at compile time (`simd.ld` for one element, `simd._widen` for a vecto
 
 The three loaders below are what a skeleton calls per page tile; each dispatches on ``scales`` (None for the
 float formats, the uint16 scale bits for int8) by overload at compile time, the Python bodies being the
-NUMBA_DISABLE_JIT twins. A new float-like format is a new element type in `simd.ld` / `simd._widen`; a new
+NUMBA_DISABLE_JIT twins. A new float-like format is a new element type in `simd.ld` / `vector_ir.widen_ir`; a new
 scaled format is a new branch here. Shapes: ``kp`` / ``vp`` [page_size, width] rows of one kv head of one page,
 ``st`` float32 scratch [page_size * ceil(width / 32)] (the tile's scales), ``kt`` / ``vt`` float32 scratch
 [chunk rows, width] (``kt`` float64 with float64 q.k: large query-head groups take the chunk's key rows widened

@@ -1,0 +1,190 @@
+"""Vector micro-kernels written directly in LLVM IR: the register blocks LLVM cannot derive from scalar loops
+(several dot products reduced together by one butterfly of shuffles instead of one horizontal sum each, and PV
+accumulators kept in registers over a whole chunk of value rows). Each has a plain-NumPy twin for
+NUMBA_DISABLE_JIT. Vectors are 16 float32 or 8 float64 lanes (`vector_ir`). The dot blocks take any `n` (a last,
+masked vector for n % lanes); the PV blocks process `n` (a multiple of 32) elements, the callers handle the tail.
+
+    dot44(qs, g, kp, t, n, last) -> 16 dot products (4 query heads x 4 key rows)
+    dot14(qs, g, kp, t, n, last) -> 4 (1 head x 4 rows)
+    pv4 / pv1(S, g, c, vp, t0, t1, acc, n)   acc[g + a, :n] += weights . value rows (4 heads / 1 head)
+    row_f(x)                                 a storage row as compute values (NumPy; the twins' widening)
+"""
+import numpy as np
+from numba.extending import intrinsic, overload
+
+from .simd import JIT
+
+def row_f(x):
+    """A storage row as compute values (NumPy; used by the no-JIT twins): float16 / bfloat16 bits widened."""
+    if x.dtype == np.uint16:
+        return x.view(np.float16).astype(np.float32)
+    if x.dtype == np.int16:
+        return (x.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return x
+
+
+def dot44(qs, g, kp, t, n, last):
+    """16 dot products qs[g + a, :n] . kp[min(t + b, last), :n] (a, b < 4), a-major, accumulated in qs's dtype
+    (float64 qs: the key rows are widened exactly, every product is exact and the sums carry ~2**-53 relative
+    error). Rows past ``last`` repeat row ``last`` (a short last block: every key through the same lanes)."""
+    return tuple(_dot(qs[g + a, :n], row_f(kp[min(t + b, last), :n])) for a in range(4) for b in range(4))
+
+
+def dot14(qs, g, kp, t, n, last):
+    """4 dot products qs[g, :n] . kp[min(t + b, last), :n] (b < 4)."""
+    return tuple(_dot(qs[g, :n], row_f(kp[min(t + b, last), :n])) for b in range(4))
+
+
+def _dot(x, y):
+    """x . y in x's dtype, summed as the IR blocks do: per lane of a 16 (float32) or 8 (float64) lane vector in
+    order, then the lanes pairwise (their butterfly)."""
+    lanes = 8 if x.dtype == np.float64 else 16
+    acc = np.zeros(lanes, x.dtype)
+    for i in range(0, len(x), lanes):
+        k = min(lanes, len(x) - i)
+        acc[:k] += x[i:i + k] * y[i:i + k].astype(x.dtype)
+    while len(acc) > 1:
+        acc = acc[: len(acc) // 2] + acc[len(acc) // 2:]
+    return x.dtype.type(acc[0])
+
+
+
+def pv4(S, g, c, vp, t0, t1, acc, n):
+    """acc[g + a, :n] += sum_t S[g + a, c + t - t0] * vp[t, :n] over t in [t0, t1), a < 4."""
+    V = row_f(vp[t0:t1, :n])
+    for a in range(4):
+        acc[g + a, :n] += S[g + a, c:c + t1 - t0] @ V
+
+
+def pv1(S, g, c, vp, t0, t1, acc, n):
+    """acc[g, :n] += sum_t S[g, c + t - t0] * vp[t, :n] over t in [t0, t1) (one head)."""
+    acc[g, :n] += S[g, c:c + t1 - t0] @ row_f(vp[t0:t1, :n])
+
+
+
+if JIT:
+    from llvmlite import ir as _ir
+    from numba import types
+    from numba.core import cgutils as _cg
+
+    from .vector_ir import (I32, I64, bf16_pairs_ir, deinterleave_ir, fma_ir, interleave_ir, lane_mask, lanes_of,
+                            reduce_many_ir, row_ptr_ir, vload_ir, vload_masked_ir)
+
+    def _make_dot(ng, nt):
+        def typer(typingctx, qs, g, kp, t, n, last):
+            if not (isinstance(qs, types.Array) and isinstance(kp, types.Array) and qs.ndim == 2 and kp.ndim == 2
+                    and isinstance(qs.dtype, types.Float)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                qty, _, kty, _, _, _ = sig.args
+                lanes = lanes_of(qty.dtype)
+                ft = context.get_value_type(qty.dtype)
+                vt = _ir.VectorType(ft, lanes)
+                g_, t_, n_, last_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 3, 4, 5))
+                qrows = [row_ptr_ir(context, builder, qty, args[0], builder.add(g_, _ir.Constant(I64, a))) for a in range(ng)]
+                kidx = [builder.add(t_, _ir.Constant(I64, b)) for b in range(nt)]
+                kidx = [builder.select(builder.icmp_signed(">", k, last_), last_, k) for k in kidx]
+                krows = [row_ptr_ir(context, builder, kty, args[2], k) for k in kidx]
+                slots = [_cg.alloca_once_value(builder, _ir.Constant(vt, None)) for _ in range(ng * nt)]
+                fma = fma_ir(builder, vt, lanes)
+                rem = builder.srem(n_, _ir.Constant(I64, lanes))
+                full = builder.sub(n_, rem)
+
+                def step(i, load):
+                    qv = [load(builder.gep(r, [i]), qty.dtype) for r in qrows]
+                    kv = [load(builder.gep(r, [i]), kty.dtype) for r in krows]
+                    for a in range(ng):
+                        for b in range(nt):
+                            sl = slots[a * nt + b]
+                            builder.store(builder.call(fma, [qv[a], kv[b], builder.load(sl)]), sl)
+
+                with _cg.for_range_slice(builder, _ir.Constant(I64, 0), full, _ir.Constant(I64, lanes)) as (i, _):
+                    step(i, lambda ptr, st: vload_ir(context, builder, ptr, st, lanes, vt))
+                with builder.if_then(builder.icmp_signed(">", rem, _ir.Constant(I64, 0)), likely=False):
+                    mask = lane_mask(builder, rem, lanes)
+                    step(full, lambda ptr, st: vload_masked_ir(context, builder, ptr, st, lanes, vt, mask))
+                sums = reduce_many_ir(builder, [builder.load(sl) for sl in slots], lanes)
+                return context.make_tuple(builder, sig.return_type, sums)
+
+            return types.UniTuple(qs.dtype, ng * nt)(qs, g, kp, t, n, last), codegen
+        return intrinsic(typer)
+
+    def _make_pv(ng, nvec):
+        def typer(typingctx, S, g, c, vp, t0, t1, acc, n):
+            if not (isinstance(S, types.Array) and isinstance(vp, types.Array) and isinstance(acc, types.Array)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                sty, _, _, vty, _, _, aty, _ = sig.args
+                lanes = lanes_of(aty.dtype)
+                ft = context.get_value_type(aty.dtype)
+                vt = _ir.VectorType(ft, lanes)
+                g_, c_, t0_, t1_, n_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4, 5, 7))
+                arows = [row_ptr_ir(context, builder, aty, args[6], builder.add(g_, _ir.Constant(I64, a))) for a in range(ng)]
+                srows = [builder.gep(row_ptr_ir(context, builder, sty, args[0], builder.add(g_, _ir.Constant(I64, a))),
+                                     [builder.sub(c_, t0_)]) for a in range(ng)]
+                vary = context.make_array(vty)(context, builder, args[3])
+                vcols = _cg.unpack_tuple(builder, vary.shape, 2)[1]
+                slots = [_cg.alloca_once(builder, vt) for _ in range(ng * nvec)]
+                fma = fma_ir(builder, vt, lanes)
+                strip = lanes * nvec
+                # bfloat16 values: the 32 accumulator lanes of a strip held as (even dims, odd dims) over the rows
+                # (the same FMAs, in the same order, as widening each row: no shuffle per row)
+                pairs = vty.dtype == types.int16 and lanes == 16 and nvec == 2
+                with _cg.for_range_slice(builder, _ir.Constant(I64, 0), n_, _ir.Constant(I64, strip)) as (d, _):
+                    for a in range(ng):
+                        ptrs = [builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))]) for k in range(nvec)]
+                        av = [builder.load(builder.bitcast(p, vt.as_pointer()), align=4) for p in ptrs]
+                        if pairs:
+                            av = deinterleave_ir(builder, *av)
+                        for k in range(nvec):
+                            builder.store(av[k], slots[a * nvec + k])
+                    with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(I64, 1)) as (t, _):
+                        vrow = builder.gep(vary.data, [builder.add(builder.mul(t, vcols), d)])
+                        if pairs:       # 32 bfloat16 as 16 x i32: even elements by a shift, odd ones by a mask
+                            x = builder.load(builder.bitcast(vrow, _ir.VectorType(I32, 16).as_pointer()), align=2)
+                            vv = list(bf16_pairs_ir(builder, x))
+                        else:
+                            vv = [vload_ir(context, builder, builder.gep(vrow, [_ir.Constant(I64, k * lanes)]),
+                                         vty.dtype, lanes, vt) for k in range(nvec)]
+                        for a in range(ng):
+                            w = builder.load(builder.gep(srows[a], [t]))
+                            wv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), w, _ir.Constant(I32, 0)),
+                                                        _ir.Constant(vt, None), _ir.Constant(_ir.VectorType(I32, lanes), [0] * lanes))
+                            for k in range(nvec):
+                                sl = slots[a * nvec + k]
+                                builder.store(builder.call(fma, [wv, vv[k], builder.load(sl)]), sl)
+                    for a in range(ng):
+                        av = [builder.load(slots[a * nvec + k]) for k in range(nvec)]
+                        if pairs:
+                            av = interleave_ir(builder, *av)
+                        for k in range(nvec):
+                            p = builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))])
+                            builder.store(av[k], builder.bitcast(p, vt.as_pointer()), align=4)
+                return context.get_dummy_value()
+
+            return types.void(S, g, c, vp, t0, t1, acc, n), codegen
+        return intrinsic(typer)
+
+
+    _dot44_ir = _make_dot(4, 4)
+    _dot14_ir = _make_dot(1, 4)
+    _pv4_ir = _make_pv(4, 2)
+    _pv1_ir = _make_pv(1, 2)
+
+    @overload(dot44, inline="always")
+    def _dot44_ov(qs, g, kp, t, n, last):
+        return lambda qs, g, kp, t, n, last: _dot44_ir(qs, g, kp, t, n, last)
+
+    @overload(dot14, inline="always")
+    def _dot14_ov(qs, g, kp, t, n, last):
+        return lambda qs, g, kp, t, n, last: _dot14_ir(qs, g, kp, t, n, last)
+
+    @overload(pv4)
+    def _pv4_ov(S, g, c, vp, t0, t1, acc, n):
+        return lambda S, g, c, vp, t0, t1, acc, n: _pv4_ir(S, g, c, vp, t0, t1, acc, n)
+
+    @overload(pv1)
+    def _pv1_ov(S, g, c, vp, t0, t1, acc, n):
+        return lambda S, g, c, vp, t0, t1, acc, n: _pv1_ir(S, g, c, vp, t0, t1, acc, n)
