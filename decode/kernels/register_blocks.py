@@ -14,6 +14,7 @@ from numba.extending import intrinsic, overload
 
 from .simd import JIT
 
+
 def row_f(x):
     """A storage row as compute values (NumPy; used by the no-JIT twins): float16 / bfloat16 bits widened."""
     if x.dtype == np.uint16:
