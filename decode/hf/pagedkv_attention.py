@@ -9,7 +9,6 @@
 The mask function checks that the model asks for what the kernels compute (causal, optionally a sliding
 window), then passes on only the padding of the new columns; the kernels mask by absolute position.
 """
-import numpy as np
 import torch
 
 from . import handoff

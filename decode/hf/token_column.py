@@ -16,8 +16,6 @@ Shapes as transformers hands them over: query ``[B, Hq, 1, D]``, key / value ``[
 import numpy as np
 import torch
 
-from . import layer_tensors
-
 TORCH_OF = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}   # compute dtype -> torch
 
 

@@ -36,7 +36,7 @@ from numba import njit, types
 from numba.core import config as _nb_config
 from numba.extending import intrinsic, overload
 
-from .simd import FAST, JIT
+from .simd import JIT
 
 LANES = 32                      # bfloat16 elements per 512-bit vector
 PARTS = 3                       # bfloat16 parts of a float32 q (8 significand bits each)

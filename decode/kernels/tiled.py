@@ -310,7 +310,6 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
     k_scales / v_scales: the int8 pools' scales, None for float pools; st: the loader's float32 scratch. dot != 0:
     scores over bfloat16 pairs where the pages are bfloat16 and the tile's q exactly bfloat16 (`pair_scores`; QP /
     Kp its scratch, `pair_scratch`)."""
-    D = q.shape[2]
     Dvp = Vb.shape[1]
     L = 8 if O.itemsize == 8 else 16
     LK = 8 if QT.itemsize == 8 else 16    # lanes of the score GEMM (its accumulation dtype: QT's)
