@@ -23,6 +23,7 @@ import numpy as np
 
 from .attention_plan import BLOCK_TOKENS, PREFETCH_BYTES, accumulator, compute_dtype, kernel_view
 from .kernels.per_query import merge_items, query_units
+from .kernels.register_blocks import in_pairs, unpair
 
 _Q_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -70,6 +71,8 @@ def partial_attention(q, k_pages, v_pages, pages, lo, hi, scale: float):
         query_units(q, k_pages, v_pages, None, None, pages, indptr, np.zeros(num_queries, np.int32), hi - 1, 0,
                     float(scale), unused_out, units, 0, len(units), block, PREFETCH_BYTES, wm, wl, wacc,
                     accumulator(compute, "default", head_dim), 0)
+        if in_pairs(v_pages, wacc):       # the partials leave by dim (`merge_partials` merges natural ones)
+            unpair(wacc.reshape(-1, head_dim_v), head_dim_v - head_dim_v % 32)
     # the kernel keeps the max of the unscaled scores q.k; this module's contract is the max of the scaled ones
     return (wm.reshape(num_queries, num_q_heads) * compute.type(scale), wl.reshape(num_queries, num_q_heads),
             wacc.reshape(num_queries, num_q_heads, head_dim_v))
@@ -104,5 +107,5 @@ def merge_partials(m, l, acc, num_kv_heads: int) -> np.ndarray:
     wacc = np.ascontiguousarray(acc.reshape(m4.shape + (head_dim_v,))[sel_w, sel_i])     # [slots, H, G, Dv]
     items = np.array(items, dtype=np.int64).reshape(-1, 3)
     out = np.empty((num_queries, num_q_heads, head_dim_v), dtype=m.dtype)
-    merge_items(out, items, 0, len(items), wm, wl, wacc.astype(m.dtype, copy=False), 1.0)
+    merge_items(out, items, 0, len(items), wm, wl, wacc.astype(m.dtype, copy=False), 1.0, False)
     return out

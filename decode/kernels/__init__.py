@@ -17,7 +17,7 @@
                   plain-Python twin for NUMBA_DISABLE_JIT)
     register_blocks.py the LLVM-IR dot (4 x 4, 1 x 4) and PV (4-head, 1-head) register blocks, with NumPy twins
     vector_ir.py  the LLVM IR the vector code is built of: widening loads, masked tails, ordered adds, FMAs, the
-                  butterfly reduction of many accumulators, bfloat16 pair shuffles
+                  butterfly reduction of many accumulators, the bfloat16 pair widening
     gemm.py       the 4- / 6-row register-blocked micro-GEMMs in LLVM IR that tiled.py's tiles run on (float32 /
                   float64 FMAs; bfloat16 pairs by vdpbf16ps, `gemm_strip_bf`)
     input_check.py the one-pass input check of the validating wrapper (its codes: `CheckCode`)

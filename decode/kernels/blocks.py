@@ -116,7 +116,8 @@ def pv(S, c0, vp, s0, s1, acc):
     """acc[g, :] += sum_t S[g, c0 + t - s0] * vp[t, :] for t in [s0, s1).
     Groups of 4 query heads: `pv4` keeps 4 heads x 32 accumulator lanes in registers over all the rows of the
     chunk (each value vector loaded once per four heads); other heads `pv1` (one head, 32 lanes in registers).
-    head_dim_v beyond the last multiple of 32 in a final pass."""
+    head_dim_v beyond the last multiple of 32 in a final pass. bfloat16 values into float32: acc's lanes below
+    that multiple are in the pair order (`register_blocks.in_pairs`)."""
     G = acc.shape[0]
     Dv = acc.shape[1]
     n = Dv - Dv % 32
@@ -198,15 +199,21 @@ def load_heads(qi, qs):
 
 
 @njit(cache=True, fastmath=FAST)
-def normalise(acc, l, dst):
-    """dst[g, :] = acc[g, :] / l[g]  (l >= 1: the maximum contributes exp(0))."""
+def normalise(acc, l, dst, pairs):
+    """dst[g, :] = acc[g, :] / l[g]  (l >= 1: the maximum contributes exp(0)); pairs: acc's first lanes (whole
+    strips of 32) are in the pair order (`register_blocks.in_pairs`), written to dst by dim."""
     G = acc.shape[0]
     Dv = acc.shape[1]
+    n = Dv - Dv % 32 if pairs else 0
     for g in range(G):
         inv = 1.0 / l[g]
         ag = acc[g]
         og = dst[g]
-        for d in range(Dv):
+        for s in range(0, n, 32):
+            for j in range(16):
+                og[s + 2 * j] = ag[s + j] * inv
+                og[s + 2 * j + 1] = ag[s + 16 + j] * inv
+        for d in range(n, Dv):
             og[d] = ag[d] * inv
 
 

@@ -15,6 +15,7 @@ from numba import njit, prange
 from .bf16_dot import q_buffers, split_query
 from .blocks import load_heads, normalise, softmax_block, unit_range
 from .loaders import key_scratch, score_rows, tile_scales, value_rows
+from .register_blocks import in_pairs, unpair
 from .simd import FAST, borrow, prefetch_lines, touch_pages
 from .units import merge_rows
 
@@ -165,23 +166,27 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
             attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead,
                          S, m, l, acc, st, kt, vt)
             for h in range(H):
-                normalise(acc[h], l[h], out[i, h * G:(h + 1) * G])
+                normalise(acc[h], l[h], out[i, h * G:(h + 1) * G], in_pairs(v_pages, acc))
         else:
             attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead,
                          S, wm[w], wl[w], wacc[w], st, kt, vt)
 
 
 @njit(cache=True, fastmath=FAST)
-def merge_items(out, items, a, b, wm, wl, wacc, scale):
+def merge_items(out, items, a, b, wm, wl, wacc, scale, pairs):
     """Merge the partials of split queries items[a:b] = (query, first slot, number of slots) into out (wm, wl
-    [slots, num_kv_heads, G], wacc [slots, num_kv_heads, G, head_dim_v]; query head h*G + g)."""
+    [slots, num_kv_heads, G], wacc [slots, num_kv_heads, G, head_dim_v]; query head h*G + g); pairs: the partials'
+    first lanes are in the pair order (`register_blocks.in_pairs`), put back by dim in out."""
     W = wm.shape[0]
     Hq = wm.shape[1] * wm.shape[2]
+    Dv = wacc.shape[3]
     m2 = wm.reshape((W, Hq))
     l2 = wl.reshape((W, Hq))
-    acc2 = wacc.reshape((W, Hq, wacc.shape[3]))
+    acc2 = wacc.reshape((W, Hq, Dv))
     for it in range(a, b):
         merge_rows(m2, l2, acc2, items[it, 1], items[it, 2], 0, out[items[it, 0]], scale)
+        if pairs:
+            unpair(out[items[it, 0]], Dv - Dv % 32)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -200,7 +205,7 @@ def query_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_ind
     zero = np.int64(0)               # not the literal 0: the serial and parallel kernels share one compiled body
     query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, window,
                 scale, out, units, zero, n, block, ahead, wm, wl, wacc, acc0, dot)
-    merge_items(out, items, zero, items.shape[0], wm, wl, wacc, scale)
+    merge_items(out, items, zero, items.shape[0], wm, wl, wacc, scale, in_pairs(v_pages, q))
     return out
 
 
@@ -219,7 +224,7 @@ def query_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_i
     n = items.shape[0]
     if n >= nch and wacc.size >= 1 << 16:
         for ck in prange(nch):
-            merge_items(out, items, ck * n // nch, (ck + 1) * n // nch, wm, wl, wacc, scale)
+            merge_items(out, items, ck * n // nch, (ck + 1) * n // nch, wm, wl, wacc, scale, in_pairs(v_pages, q))
     else:
-        merge_items(out, items, np.int64(0), n, wm, wl, wacc, scale)
+        merge_items(out, items, np.int64(0), n, wm, wl, wacc, scale, in_pairs(v_pages, q))
     return out

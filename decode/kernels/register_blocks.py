@@ -7,9 +7,11 @@ masked vector for n % lanes); the PV blocks process `n` (a multiple of 32) eleme
     dot44(qs, g, kp, t, n, last) -> 16 dot products (4 query heads x 4 key rows)
     dot14(qs, g, kp, t, n, last) -> 4 (1 head x 4 rows)
     pv4 / pv1(S, g, c, vp, t0, t1, acc, n)   acc[g + a, :n] += weights . value rows (4 heads / 1 head)
+    in_pairs(vp, acc) / unpair(x, n)         bfloat16 values keep acc's lanes in the pair order / back to dims
     row_f(x)                                 a storage row as compute values (NumPy; the twins' widening)
 """
 import numpy as np
+from numba import njit
 from numba.extending import intrinsic, overload
 
 from .simd import JIT
@@ -49,18 +51,43 @@ def _dot(x, y):
     return x.dtype.type(acc[0])
 
 
-
 def pv4(S, g, c, vp, t0, t1, acc, n):
-    """acc[g + a, :n] += sum_t S[g + a, c + t - t0] * vp[t, :n] over t in [t0, t1), a < 4."""
-    V = row_f(vp[t0:t1, :n])
+    """acc[g + a, :n] += sum_t S[g + a, c + t - t0] * vp[t, :n] over t in [t0, t1), a < 4 (acc's lanes in the pair
+    order where `in_pairs`)."""
     for a in range(4):
-        acc[g + a, :n] += S[g + a, c:c + t1 - t0] @ V
+        pv1(S, g + a, c, vp, t0, t1, acc, n)
 
 
 def pv1(S, g, c, vp, t0, t1, acc, n):
-    """acc[g, :n] += sum_t S[g, c + t - t0] * vp[t, :n] over t in [t0, t1) (one head)."""
-    acc[g, :n] += S[g, c:c + t1 - t0] @ row_f(vp[t0:t1, :n])
+    """acc[g, :n] += sum_t S[g, c + t - t0] * vp[t, :n] over t in [t0, t1) (one head; acc's lanes in the pair order
+    where `in_pairs`)."""
+    add = S[g, c:c + t1 - t0] @ row_f(vp[t0:t1, :n])
+    if in_pairs(vp, acc):
+        add = add.reshape(-1, 16, 2).transpose(0, 2, 1).reshape(-1)       # natural -> pair order
+    acc[g, :n] += add
 
+
+def in_pairs(vp, acc):
+    """Whether the PV blocks keep ``acc``'s lanes, strip by strip of 32 (the first ``n``, a multiple of 32, that
+    they process), in the pair order: lanes 0-15 of a strip hold its even dims, 16-31 its odd dims, the order a
+    bfloat16 value row's pairs widen into (by a shift and a mask, `vector_ir.bf16_pairs_ir`). So for bfloat16
+    values (int16 bits) into float32 accumulators; whoever reads the accumulators' lanes by dim takes them back
+    with `unpair` (the online softmax only scales whole rows)."""
+    return vp.dtype == np.int16 and acc.dtype == np.float32
+
+
+def unpair(x, n):
+    """The first ``n`` lanes (a multiple of 32) of every row of ``x`` [rows, width] from the pair order (`in_pairs`)
+    back to dims, in place."""
+    tmp = np.empty(32, x.dtype)
+    for r in range(x.shape[0]):
+        row = x[r]
+        for s in range(0, n, 32):
+            for j in range(32):
+                tmp[j] = row[s + j]
+            for j in range(16):
+                row[s + 2 * j] = tmp[j]
+                row[s + 2 * j + 1] = tmp[16 + j]
 
 
 if JIT:
@@ -68,8 +95,8 @@ if JIT:
     from numba import types
     from numba.core import cgutils as _cg
 
-    from .vector_ir import (I32, I64, bf16_pairs_ir, deinterleave_ir, fma_ir, interleave_ir, lane_mask, lanes_of,
-                            reduce_many_ir, row_ptr_ir, vload_ir, vload_masked_ir)
+    from .vector_ir import (I32, I64, bf16_pairs_ir, fma_ir, lane_mask, lanes_of, reduce_many_ir, row_ptr_ir,
+                            vload_ir, vload_masked_ir)
 
     def _make_dot(ng, nt):
         def typer(typingctx, qs, g, kp, t, n, last):
@@ -130,15 +157,14 @@ if JIT:
                 slots = [_cg.alloca_once(builder, vt) for _ in range(ng * nvec)]
                 fma = fma_ir(builder, vt, lanes)
                 strip = lanes * nvec
-                # bfloat16 values: the 32 accumulator lanes of a strip held as (even dims, odd dims) over the rows
-                # (the same FMAs, in the same order, as widening each row: no shuffle per row)
+                # bfloat16 values: the 32 accumulator lanes of a strip are kept in the pair order (`in_pairs`: even
+                # dims, then odd dims), the order a row's pairs widen into (the same FMAs, in the same order, as
+                # widening each row: no shuffle per row, nor per call)
                 pairs = vty.dtype == types.int16 and lanes == 16 and nvec == 2
                 with _cg.for_range_slice(builder, _ir.Constant(I64, 0), n_, _ir.Constant(I64, strip)) as (d, _):
                     for a in range(ng):
                         ptrs = [builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))]) for k in range(nvec)]
                         av = [builder.load(builder.bitcast(p, vt.as_pointer()), align=4) for p in ptrs]
-                        if pairs:
-                            av = deinterleave_ir(builder, *av)
                         for k in range(nvec):
                             builder.store(av[k], slots[a * nvec + k])
                     with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(I64, 1)) as (t, _):
@@ -158,8 +184,6 @@ if JIT:
                                 builder.store(builder.call(fma, [wv, vv[k], builder.load(sl)]), sl)
                     for a in range(ng):
                         av = [builder.load(slots[a * nvec + k]) for k in range(nvec)]
-                        if pairs:
-                            av = interleave_ir(builder, *av)
                         for k in range(nvec):
                             p = builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))])
                             builder.store(av[k], builder.bitcast(p, vt.as_pointer()), align=4)
@@ -185,6 +209,18 @@ if JIT:
     @overload(pv4)
     def _pv4_ov(S, g, c, vp, t0, t1, acc, n):
         return lambda S, g, c, vp, t0, t1, acc, n: _pv4_ir(S, g, c, vp, t0, t1, acc, n)
+
+    @overload(in_pairs)
+    def _in_pairs_ov(vp, acc):
+        answer = (isinstance(vp, types.Array) and vp.dtype == types.int16 and isinstance(acc, types.Array)
+                  and acc.dtype == types.float32)
+        return lambda vp, acc: answer
+
+    _unpair_jit = njit(cache=True)(unpair)
+
+    @overload(unpair)
+    def _unpair_ov(x, n):
+        return lambda x, n: _unpair_jit(x, n)
 
     @overload(pv1)
     def _pv1_ov(S, g, c, vp, t0, t1, acc, n):

@@ -1,7 +1,7 @@
 """LLVM IR building blocks of the kernels' vector code (`register_blocks`, `bf16_dot`, `int8_simd`, `gemm`, and
 `simd`'s lane reductions): row pointers, exact widening loads of storage vectors (float16 / bfloat16 bits, float32
-into float64), masked tails, ordered adds, FMAs, the butterfly that reduces many accumulators together, and the
-bfloat16 pair shuffles. Functions of an llvmlite ``builder``; they emit code, they compile nothing.
+into float64), masked tails, ordered adds, FMAs, the butterfly that reduces many accumulators together, and
+the bfloat16 pair widening. Functions of an llvmlite ``builder``; they emit code, they compile nothing.
 
     lanes_of(numba float type) -> 16 (float32) or 8 (float64)
     row_ptr_ir(context, builder, aryty, arr, row) -> pointer to element [row, 0] of a C-contiguous 2-D array
@@ -137,17 +137,3 @@ def bf16_pairs_ir(builder, x):
     even = builder.shl(x, _ir.Constant(i32v, [16] * 16))
     odd = builder.and_(x, _ir.Constant(i32v, [0xFFFF0000 - (1 << 32)] * 16))
     return builder.bitcast(even, fv), builder.bitcast(odd, fv)
-
-
-def deinterleave_ir(builder, a0, a1):
-    """32 lanes as two 16-lane vectors -> (the even lanes, the odd lanes)."""
-    even = _ir.Constant(_ir.VectorType(I32, 16), list(range(0, 32, 2)))
-    odd = _ir.Constant(_ir.VectorType(I32, 16), list(range(1, 32, 2)))
-    return builder.shuffle_vector(a0, a1, even), builder.shuffle_vector(a0, a1, odd)
-
-
-def interleave_ir(builder, even, odd):
-    """The inverse of `deinterleave_ir`."""
-    lo = _ir.Constant(_ir.VectorType(I32, 16), [j // 2 + (16 if j % 2 else 0) for j in range(16)])
-    hi = _ir.Constant(_ir.VectorType(I32, 16), [8 + j // 2 + (16 if j % 2 else 0) for j in range(16)])
-    return builder.shuffle_vector(even, odd, lo), builder.shuffle_vector(even, odd, hi)
