@@ -7,7 +7,7 @@ wraparound select) and vectorises them."""
 from numba import njit
 
 from .bf16_dot import dot14_bf, dot44_bf
-from .register_blocks import dot14, dot44, pv1, pv4
+from .register_blocks import dot14, dot44, pair_dim, pv1, pv4
 from .simd import FAST, JIT, exp, lane_max, lane_sum, ld
 
 
@@ -209,10 +209,8 @@ def normalise(acc, l, dst, pairs):
         inv = 1.0 / l[g]
         ag = acc[g]
         og = dst[g]
-        for s in range(0, n, 32):
-            for j in range(16):
-                og[s + 2 * j] = ag[s + j] * inv
-                og[s + 2 * j + 1] = ag[s + 16 + j] * inv
+        for k in range(n):
+            og[pair_dim(k)] = ag[k] * inv
         for d in range(n, Dv):
             og[d] = ag[d] * inv
 

@@ -8,6 +8,7 @@ masked vector for n % lanes); the PV blocks process `n` (a multiple of 32) eleme
     dot14(qs, g, kp, t, n, last) -> 4 (1 head x 4 rows)
     pv4 / pv1(S, g, c, vp, t0, t1, acc, n)   acc[g + a, :n] += weights . value rows (4 heads / 1 head)
     in_pairs(vp, acc) / unpair(x, n)         bfloat16 values keep acc's lanes in the pair order / back to dims
+    pair_dim(k)                              the dim lane k of the pair order holds
     row_f(x)                                 a storage row as compute values (NumPy; the twins' widening)
 """
 import numpy as np
@@ -63,7 +64,7 @@ def pv1(S, g, c, vp, t0, t1, acc, n):
     where `in_pairs`)."""
     add = S[g, c:c + t1 - t0] @ row_f(vp[t0:t1, :n])
     if in_pairs(vp, acc):
-        add = add.reshape(-1, 16, 2).transpose(0, 2, 1).reshape(-1)       # natural -> pair order
+        add = add[pair_dim(np.arange(n))]                                 # dims -> the pair order
     acc[g, :n] += add
 
 
@@ -76,6 +77,14 @@ def in_pairs(vp, acc):
     return vp.dtype == np.int16 and acc.dtype == np.float32
 
 
+@njit(cache=True, inline="always")
+def pair_dim(k):
+    """The dim that lane ``k`` of the pair order holds (`in_pairs`): its strip's first dim + 2 * (k mod 16) + 1 for
+    the strip's upper 16 lanes. Elementwise over an integer array too (the NumPy twins)."""
+    return (k - k % 32) + 2 * (k % 16) + (k // 16) % 2
+
+
+@njit(cache=True)
 def unpair(x, n):
     """The first ``n`` lanes (a multiple of 32) of every row of ``x`` [rows, width] from the pair order (`in_pairs`)
     back to dims, in place."""
@@ -85,9 +94,8 @@ def unpair(x, n):
         for s in range(0, n, 32):
             for j in range(32):
                 tmp[j] = row[s + j]
-            for j in range(16):
-                row[s + 2 * j] = tmp[j]
-                row[s + 2 * j + 1] = tmp[16 + j]
+            for j in range(32):
+                row[s + pair_dim(j)] = tmp[j]
 
 
 if JIT:
@@ -215,12 +223,6 @@ if JIT:
         answer = (isinstance(vp, types.Array) and vp.dtype == types.int16 and isinstance(acc, types.Array)
                   and acc.dtype == types.float32)
         return lambda vp, acc: answer
-
-    _unpair_jit = njit(cache=True)(unpair)
-
-    @overload(unpair)
-    def _unpair_ov(x, n):
-        return lambda x, n: _unpair_jit(x, n)
 
     @overload(pv1)
     def _pv1_ov(S, g, c, vp, t0, t1, acc, n):

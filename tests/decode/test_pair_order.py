@@ -9,7 +9,6 @@ from numba import njit
 
 from decode.kernels.blocks import normalise, pv
 from decode.kernels.register_blocks import in_pairs, unpair
-from decode.kernels.simd import JIT
 from kvcache import bf16
 
 pytestmark = pytest.mark.kernel
@@ -25,11 +24,6 @@ def pair_order(x: np.ndarray, n: int) -> np.ndarray:
 @njit
 def _jit_in_pairs(vp, acc):
     return in_pairs(vp, acc)
-
-
-@njit
-def _jit_unpair(x, n):
-    unpair(x, n)
 
 
 @njit
@@ -53,10 +47,9 @@ def test_unpair_inverts_the_pair_order_and_leaves_the_tail(width, n):
     stored = pair_order(natural, n)
     if n:
         assert not np.array_equal(stored, natural)
-    for fn in (unpair, _jit_unpair):
-        x = stored.copy()
-        fn(x, n)
-        assert np.array_equal(x, natural)
+    x = stored.copy()
+    unpair(x, n)
+    assert np.array_equal(x, natural)
 
 
 @pytest.mark.parametrize("heads, width", [(4, 64), (1, 32), (5, 96 + 7), (8, 128)])
@@ -67,8 +60,7 @@ def test_bfloat16_pv_accumulates_in_pair_order_and_normalise_writes_by_dim(heads
     values = bits.view(np.int16)                                                     # the kernels' view
     S = rng.random((heads, rows + 3)).astype(np.float32)
     acc = np.zeros((heads, width), np.float32)
-    run = _jit_pv if JIT else pv
-    run(S, 3, values, 0, rows, acc)                     # weights S[:, 3:3 + rows]
+    _jit_pv(S, 3, values, 0, rows, acc)                 # weights S[:, 3:3 + rows]
     exact = S[:, 3:3 + rows].astype(np.float64) @ bf16.to_float32(bits).astype(np.float64)
     n = width - width % 32
     np.testing.assert_allclose(acc, pair_order(exact, n), rtol=1e-5, atol=1e-5)
