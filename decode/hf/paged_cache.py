@@ -28,11 +28,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcache import CacheFullError, KVCache
 
-from . import handoff, sizing
+from . import handoff, pool_rows, sizing
 from . import page_dtype as storage
-from .layout import ModelLayout, UnsupportedFeatureError, layout_key, layout_of
+from .layout import ModelLayout, layout_key, layout_of
 from .plan import ForwardPlan
-from .rows import RowColumns
+from .rows import RowColumns, check_new_real
 
 
 class PagedLayer(CacheLayerMixin):
@@ -229,28 +229,14 @@ class PagedCache(Cache):
                 new_real = self._all_real[batch] = np.ones((batch, 1), dtype=bool)
                 new_real.flags.writeable = False
         else:
-            self._check_padding(new_real, batch, width, fresh)
+            held = np.zeros(batch, dtype=bool) if fresh else np.array([self.pool.length(s) > 0 for s in self._seqs])
+            check_new_real(new_real, batch, width, held, any(self.layout.windows))
         ids = self._forward_ids(batch, width)
         if fresh:
             self._begin_fresh(key.dtype, new_real, ids)
         else:
             self._follow_model_dtype(key.dtype, rebuild=False)
             self._plan = self._plan_forward(self._seqs, new_real, ids)
-
-    def _check_padding(self, new_real: np.ndarray, batch: int, width: int, fresh: bool) -> None:
-        """The new columns' padding mask ``new_real [B, T]``: its shape, a real token in every row, and (sliding
-        windows) no pad after a real token."""
-        if new_real.shape != (batch, width):
-            raise ValueError(f"attention_mask: expected the new columns' padding mask [batch, new] = "
-                             f"{(batch, width)}, got {tuple(new_real.shape)}")
-        held = np.zeros(batch, dtype=bool) if fresh else np.array([self.pool.length(s) > 0 for s in self._seqs])
-        empty = ~held & ~new_real.any(axis=1)
-        if empty.any():
-            raise UnsupportedFeatureError(f"attention_mask: expected every row to hold a real token, got rows "
-                                          f"{np.flatnonzero(empty).tolist()} all padding (nothing to attend: "
-                                          f"sdpa returns zeros there, eager NaN)")
-        if any(self.layout.windows):
-            self._refuse_inner_padding(new_real, held)
 
     def _begin_fresh(self, model_dtype, new_real, ids) -> None:
         """The first forward: rows created in a pool group (undone with the forward if it fails, sequence-id
@@ -300,15 +286,6 @@ class PagedCache(Cache):
             raise ValueError(f"past_key_values: expected a PagedCache built for this model ({got.describe()}), got "
                              f"one built for {self.layout.describe()}")
 
-    def _refuse_inner_padding(self, new_real: np.ndarray, held: np.ndarray) -> None:
-        """Sliding windows count columns in transformers (pads included) but pool positions here: the two agree
-        only while every pad of a row comes before its first real token (left padding)."""
-        seen = held[:, None] | np.logical_or.accumulate(new_real, axis=1)            # [B, T] real token so far
-        after_real = ~new_real[:, 1:] & seen[:, :-1]
-        if (held & ~new_real[:, 0]).any() or after_real.any():
-            raise UnsupportedFeatureError("attention_mask: padding after a row's real tokens with sliding-window "
-                                          "layers (the window would span the pad columns); left padding only")
-
     def _forward_ids(self, batch: int, width: int):
         """``[B, T]`` token ids of this forward's columns if known (the model's input_ids through
         `track_token_ids`, else the prompt given to `match_prefix`), or None."""
@@ -342,25 +319,8 @@ class PagedCache(Cache):
             raise ValueError("match_prefix: expected a PagedCache built with prefix_caching=True, got False")
         if self._seqs is not None:
             raise ValueError("match_prefix: expected an empty cache (new, or after reset()), got one holding rows")
-        ids = np.asarray(input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else input_ids)
-        if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.shape[1] < 1:
-            raise ValueError(f"input_ids: expected integer ids [batch, length >= 1], got {ids.dtype} {ids.shape}")
-        mask = np.ones(ids.shape, dtype=bool) if attention_mask is None else np.asarray(
-            attention_mask.detach().cpu() if isinstance(attention_mask, torch.Tensor) else attention_mask).astype(bool)
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask: expected shape {ids.shape} (input_ids'), got {mask.shape}")
-        real_before = np.concatenate([np.zeros((len(ids), 1), np.int64), np.cumsum(mask, axis=1)], axis=1)
-        with self.pool.group():                         # every row's match, or none
-            matches = [self.pool.match_prefix(row[keep]) if keep.any() else None for row, keep in zip(ids, mask)]
-            hits = np.array([0 if m is None else m.num_tokens for m in matches])
-            columns = ids.shape[1] - 1
-            while columns > 0 and (real_before[:, columns] > hits).any():
-                columns -= 1
-            seqs = []
-            for row, match in enumerate(matches):
-                seq = self.pool.create_sequence() if match is None else match.seq
-                self.pool.truncate(seq, int(real_before[row, columns]))
-                seqs.append(seq)
+        ids, mask = pool_rows.prompt_arrays(input_ids, attention_mask)
+        seqs, columns = pool_rows.match(self.pool, ids, mask)
         cols = RowColumns(len(ids))
         cols.extend(mask[:, :columns])
         self._seqs, self._cols, self._prompt_ids = seqs, cols, ids.astype(np.int64)
@@ -411,14 +371,7 @@ class PagedCache(Cache):
 
     def _release_window(self) -> None:
         """When every layer slides, give back the pages no future query can read (all rows or none)."""
-        window = self.layout.release_window
-        if not window or self._seqs is None:
-            return
-        with self.pool.group():
-            for seq in self._seqs:
-                keep_from = self.pool.length(seq) - window + 1
-                if keep_from > self.pool.pool.first_position(seq):
-                    self.pool.release_before(seq, keep_from)
+        pool_rows.release_window(self.pool, self._seqs, self.layout.release_window)
 
     # -- rollback, beams, forks -----------------------------------------------------------------------------
     def activate_past_recording(self) -> None:
@@ -440,22 +393,11 @@ class PagedCache(Cache):
                              f"got {remove}")
         with self.pool.group():                         # every row's truncate and release, or none
             if remove:
-                self._truncate(self._cols.columns - remove)
+                lengths = self._cols.lengths_after_crop(self._cols.columns - remove)
+                pool_rows.truncate(self.pool, self._seqs, lengths, self.layout.release_window)
             self._release_window()
         if remove:
             self._cols.crop(self._cols.columns - remove)
-
-    def _truncate(self, columns: int) -> None:
-        lengths = self._cols.lengths_after_crop(columns)
-        window = self.layout.release_window
-        for seq, n in zip(self._seqs, lengths):
-            first, needed = self.pool.pool.first_position(seq), max(0, int(n) - window + 1) if window else 0
-            if needed < first:
-                raise ValueError(f"tokens_to_remove: the sliding window already released positions < {first} of a "
-                                 f"row, so it cannot go back to length {n} (call activate_past_recording() before "
-                                 f"forwards that may be cropped)")
-        for seq, n in zip(self._seqs, lengths):
-            self.pool.truncate(seq, int(n))
 
     def reorder_cache(self, beam_idx) -> None:
         """Row i takes the tokens of row ``beam_idx[i]`` (beam search): pages are shared (fork), never copied;
@@ -475,25 +417,8 @@ class PagedCache(Cache):
         self._settle()
         if self._seqs is None:
             raise ValueError(f"{name}: expected a cache holding rows (after a forward), got an empty cache")
-        rows = np.asarray(rows.detach().cpu() if isinstance(rows, torch.Tensor) else rows)
-        if rows.ndim != 1 or rows.dtype.kind not in "iu" or (rows.size and not (
-                0 <= rows.min() and rows.max() < len(self._seqs))):
-            raise ValueError(f"{name}: expected a 1-d integer index of rows in [0, {len(self._seqs)}), got "
-                             f"{rows.tolist() if rows.size < 20 else rows}")
-        rows = rows.astype(np.int64)
-        old = self._seqs
-        owner = {}                                       # old row -> the new row that takes its sequence as is
-        for new, src in enumerate(rows.tolist()):
-            if new == src:
-                owner.setdefault(src, new)
-        for new, src in enumerate(rows.tolist()):
-            owner.setdefault(src, new)
-        with self.pool.group():                         # every fork and free, or none
-            seqs = [old[src] if owner[src] == new else self.pool.fork(old[src])
-                    for new, src in enumerate(rows.tolist())]
-            for row, seq in enumerate(old):
-                if row not in owner:
-                    self.pool.free(seq)
+        rows = pool_rows.row_index(rows, len(self._seqs), name)
+        seqs = pool_rows.select(self.pool, self._seqs, rows)
         self._seqs, self._cols = seqs, self._cols.select(rows)
         self._prompt_ids = None                          # rows moved: the prompt's ids no longer line up
 
@@ -521,9 +446,7 @@ class PagedCache(Cache):
 
     def _free_rows(self) -> None:
         if self._seqs is not None:
-            with self.pool.group():
-                for seq in self._seqs:
-                    self.pool.free(seq)
+            pool_rows.free(self.pool, self._seqs)
             self._seqs = None
 
     def __del__(self):

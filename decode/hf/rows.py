@@ -4,8 +4,11 @@ row has ``columns`` positions, pads included) and the pool's (a row's sequence h
     real: bool [batch, columns]     True where the column holds a token that is in the pool
 
 A row's pool length is ``real[row].sum()``; a new token's pool position is the count of real columns before it.
+`check_new_real` checks a forward's padding mask of its new columns against what the pool can hold.
 """
 import numpy as np
+
+from .layout import UnsupportedFeatureError
 
 
 class RowColumns:
@@ -55,3 +58,29 @@ class RowColumns:
 
     def copy(self) -> "RowColumns":
         return self.select(np.arange(self.batch))
+
+
+def check_new_real(new_real: np.ndarray, batch: int, width: int, held: np.ndarray, sliding: bool) -> None:
+    """A forward's padding mask of its new columns ``new_real bool [B, T]`` against the rows' pool lengths
+    (``held bool [B]``: a row holds tokens already): its shape, a real token in every row, and with sliding windows
+    (``sliding``) no pad after a row's real tokens. Raises ValueError / `UnsupportedFeatureError`."""
+    if new_real.shape != (batch, width):
+        raise ValueError(f"attention_mask: expected the new columns' padding mask [batch, new] = "
+                         f"{(batch, width)}, got {tuple(new_real.shape)}")
+    empty = ~held & ~new_real.any(axis=1)
+    if empty.any():
+        raise UnsupportedFeatureError(f"attention_mask: expected every row to hold a real token, got rows "
+                                      f"{np.flatnonzero(empty).tolist()} all padding (nothing to attend: "
+                                      f"sdpa returns zeros there, eager NaN)")
+    if sliding:
+        _refuse_inner_padding(new_real, held)
+
+
+def _refuse_inner_padding(new_real: np.ndarray, held: np.ndarray) -> None:
+    """Sliding windows count columns in transformers (pads included) but pool positions here: the two agree
+    only while every pad of a row comes before its first real token (left padding)."""
+    seen = held[:, None] | np.logical_or.accumulate(new_real, axis=1)            # [B, T] real token so far
+    after_real = ~new_real[:, 1:] & seen[:, :-1]
+    if (held & ~new_real[:, 0]).any() or after_real.any():
+        raise UnsupportedFeatureError("attention_mask: padding after a row's real tokens with sliding-window "
+                                      "layers (the window would span the pad columns); left padding only")
