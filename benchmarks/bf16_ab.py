@@ -6,7 +6,7 @@ Variants: f32, f16, bf16:M (mode M, float32 q), bf16:Mx (mode M, q rounded to bf
     python -m benchmarks.bf16_ab [--tokens 4096,32768] [--pages 16,32] [--shapes MHA,GQA-kv8,GQA-kv4,MQA] [--sets hot,cold]
                                  [--threads 1 --cpu] [--rounds 5] [--calls 7] [--cold-mib 256] [--variants ...]
 """
-import argparse, json, math, sys, time
+import argparse, json, math, time
 import numpy as np
 import numba
 from decode import attention_plan as AP

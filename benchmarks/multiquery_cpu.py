@@ -6,7 +6,7 @@ CPU time (time.process_time) instead of wall time, so that other processes on a 
 """
 import os
 os.environ["OPENBLAS_NUM_THREADS"]="1"; os.environ["OMP_NUM_THREADS"]="1"
-import numpy as np, time, sys, torch
+import numpy as np, time, torch
 torch.set_num_threads(1)
 import torch.nn.functional as F
 from decode.attention_plan import attend_unchecked as U

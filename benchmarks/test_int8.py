@@ -121,7 +121,7 @@ def test_int8_step(benchmark, quick, int8_case):
     })
     print(f"\n{benchmark.group}: " + ", ".join(f"{dt} {med[dt] * 1e3:.2f} ms" for dt in DTYPES)
           + f"; int8 speed-up x{med['float16'] / med['int8']:.2f} vs fp16, x{med['float32'] / med['int8']:.2f} vs fp32"
-          + f" (fastest rounds: " + ", ".join(f"{dt} {min(times[dt]) * 1e3:.2f}" for dt in DTYPES) + " ms)")
+          + " (fastest rounds: " + ", ".join(f"{dt} {min(times[dt]) * 1e3:.2f}" for dt in DTYPES) + " ms)")
 
 
 def compute_cases(quick: bool):

@@ -21,7 +21,6 @@ import hashlib
 import heapq
 import json
 
-from .checks import TOKEN_DTYPE
 
 FORMAT_VERSION = 1
 
@@ -40,7 +39,7 @@ def root_key(salt: bytes, config_text: str, namespace: str) -> bytes:
 
 class Entry:
     """A registered page: its ``key``, ``parent`` entry (a root entry for a sequence's first page), the page's
-    ``tokens`` (bytes, `TOKEN_DTYPE`) and physical ``page`` (-1 for a root)."""
+    ``tokens`` (bytes, `checks.TOKEN_DTYPE`) and physical ``page`` (-1 for a root)."""
 
     __slots__ = ("key", "parent", "tokens", "page", "namespace", "children")
 

@@ -6,7 +6,7 @@ float64 storage 1e-13 + 1e-13; float32 and float16 storage (float32 scores and a
 import numpy as np
 import pytest
 
-from decode import Decoder, batch_step, batch_transaction
+from decode import Decoder, batch_step
 from kvcache import CacheFullError, KVCache
 from reference.dense import decode_reference
 

@@ -3,15 +3,14 @@ sharing pages copy-on-write, reset; and every bad input leaving the pool byte-id
 import copy
 import gc
 
-import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, Gemma2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, DynamicCache, Gemma2Config
 
 from decode.hf import PagedCache, UnsupportedFeatureError
 from kvcache import CacheFullError
 
-from .models import CONFIGS, generate, model_pair, paged_cache, prompts
+from .models import generate, model_pair, paged_cache, prompts
 
 
 def forward(model, ids, mask, cache):

@@ -6,10 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-import kvcache
 from kvcache import ScaleOverflowError, quant
-from kvcache.testing import FaultInjector, InjectedFault
-from kvcache.faults import no_fault
 from .kv_helpers import assert_bitwise_equal, assert_fails_unchanged, make_cache
 from .kv_helpers import enumerate_faults
 

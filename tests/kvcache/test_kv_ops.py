@@ -4,7 +4,6 @@ exactly what they were."""
 import numpy as np
 import pytest
 
-import kvcache
 from kvcache import CacheFullError, testing
 from .kv_helpers import DenseModel, assert_bitwise_equal, assert_fails_unchanged, assert_matches_model, \
     make_cache, random_kv

@@ -110,7 +110,6 @@ def worker(shared: Shared, index: int, steps: int, sample: int):
 def forker(shared: Shared, steps_each: int):
     """Fork the workers' public decoders while they append, check the fork, decode it a little, free it."""
     rng = np.random.default_rng(7)
-    cache = shared.cache
     try:
         while not shared.stop.is_set():
             with shared.lock:
