@@ -108,6 +108,16 @@ def test_dtype_comparison_never_mixes_two_runs(first_run, tmp_path):
     assert "**met**" in row(text, "decode step, float32", "faster than vLLM CPU at every shape")
 
 
+def test_dtype_comparison_has_no_parity_band(tmp_path):
+    """"bf16 never slower than float32": a bfloat16 cell 4% slower than float32 is a miss (named), not parity."""
+    res = [result("engine", "decode", "MHA-4096", "float32", 1.0e-3, 0.96e-3),
+           result("engine", "decode", "MHA-4096", "bfloat16", 0.5e-3, 1.0e-3)]
+    text, missed = peer_section([save(tmp_path / "d.json", res)])
+    line = row(text, "bf16 vs fp16 pages", "bf16 never slower than float32 (every decode shape)")
+    assert "**missed**" in line and "slower: MHA-4096 hot 0.96" in line and "MHA-4096 cold" not in line
+    assert any(m.startswith("bf16 vs fp16 pages") and "MHA-4096 hot 0.96" in m for m in missed)
+
+
 def test_report_renders_the_section_plots_and_keeps_the_blocks(first_run, tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks.report.document import render
