@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from kvcache import KVCache
-from kvcache.prefix import TOKEN_DTYPE, page_key
+from kvcache.checks import TOKEN_DTYPE
+from kvcache.prefix import page_key
 
 
 def median_seconds(fn, repeats: int) -> float:
