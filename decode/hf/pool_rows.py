@@ -41,9 +41,14 @@ def release_window(pool, seqs, window: int) -> None:
                 pool.release_before(seq, keep_from)
 
 
+def _array(x) -> np.ndarray:
+    """A tensor (any device) or array-like as a numpy array."""
+    return np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x)
+
+
 def row_index(rows, count: int, name: str) -> np.ndarray:
     """``rows`` (a tensor or array-like) as int64 ``[n]`` of rows in ``[0, count)``; ValueError naming ``name``."""
-    rows = np.asarray(rows.detach().cpu() if isinstance(rows, torch.Tensor) else rows)
+    rows = _array(rows)
     if rows.ndim != 1 or rows.dtype.kind not in "iu" or (rows.size and not (0 <= rows.min() and rows.max() < count)):
         raise ValueError(f"{name}: expected a 1-d integer index of rows in [0, {count}), got "
                          f"{rows.tolist() if rows.size < 20 else rows}")
@@ -54,14 +59,15 @@ def select(pool, seqs: list, rows: np.ndarray) -> list:
     """The sequences of the new rows: row i takes the tokens of old row ``rows[i]`` (`row_index`). An old row's
     sequence goes as is to one new row taking it (the same row if it does), the others fork it; old rows nobody
     takes are freed."""
+    rows = rows.tolist()
     owner = {}                                       # old row -> the new row that takes its sequence as is
-    for new, src in enumerate(rows.tolist()):
+    for new, src in enumerate(rows):
         if new == src:
             owner.setdefault(src, new)
-    for new, src in enumerate(rows.tolist()):
+    for new, src in enumerate(rows):
         owner.setdefault(src, new)
     with pool.group():                               # every fork and free, or none
-        out = [seqs[src] if owner[src] == new else pool.fork(seqs[src]) for new, src in enumerate(rows.tolist())]
+        out = [seqs[src] if owner[src] == new else pool.fork(seqs[src]) for new, src in enumerate(rows)]
         for row, seq in enumerate(seqs):
             if row not in owner:
                 pool.free(seq)
@@ -70,11 +76,10 @@ def select(pool, seqs: list, rows: np.ndarray) -> list:
 
 def prompt_arrays(input_ids, attention_mask) -> tuple:
     """``(ids int [B, L], mask bool [B, L])`` of a prompt (tensors or array-likes; no mask: every column real)."""
-    ids = np.asarray(input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else input_ids)
+    ids = _array(input_ids)
     if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.shape[1] < 1:
         raise ValueError(f"input_ids: expected integer ids [batch, length >= 1], got {ids.dtype} {ids.shape}")
-    mask = np.ones(ids.shape, dtype=bool) if attention_mask is None else np.asarray(
-        attention_mask.detach().cpu() if isinstance(attention_mask, torch.Tensor) else attention_mask).astype(bool)
+    mask = np.ones(ids.shape, dtype=bool) if attention_mask is None else _array(attention_mask).astype(bool)
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask: expected shape {ids.shape} (input_ids'), got {mask.shape}")
     return ids, mask
