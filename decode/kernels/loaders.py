@@ -14,15 +14,17 @@ float formats, the uint16 scale bits for int8) by overload at compile time, the 
 NUMBA_DISABLE_JIT twins. A new float-like format is a new element type in `simd.ld` / `vector_ir.widen_ir`; a new
 scaled format is a new branch here. Shapes: ``kp`` / ``vp`` [page_size, width] rows of one kv head of one page,
 ``st`` float32 scratch [page_size * ceil(width / 32)] (the tile's scales), ``kt`` / ``vt`` float32 scratch
-[chunk rows, width] (``kt`` float64 with float64 q.k: large query-head groups take the chunk's key rows widened
-once, `wide_group`).
+[chunk rows, width] (``kt`` in the q.k accumulation dtype: a large query-head group takes the chunk's key rows
+widened once, `wide_group`; ``vt``: its 16-bit float value rows likewise, `wide_values`).
 
     tile_scales(scales, page, h, st)                      int8: st <- the page tile's scales as float32
     score_rows(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt)
                                           Sh[g, c + t - r0] = q[g] . row t (t in [r0, r1)): `blocks.qk` on qh, or
                                           for bfloat16 pages on q's bfloat16 parts qb (parts > 0) or float32
                                           halves qf (parts -1) (`bf16_dot.split_query`); int8: `int8_rows`
-    value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt)     ah[g, :] += Sh[g, c + t - r0] * row t
+    value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt)     ah[g, :] += Sh[g, c + t - r0] * row t (16-bit rows of
+                                          a large group into float32 accumulators: widened once into vt first,
+                                          `wide_values`)
     block_rows(tile, scales, page, h, s0, s1, dst, j, st) dst[j + s - s0, :width] = row s   (tiled K/V blocks)
 """
 import numpy as np
@@ -30,6 +32,7 @@ import numpy as np
 from .blocks import pv, qk
 from .int8_rows import block_rows_int8, score_rows_int8, value_rows_int8
 from .int8_simd import h2f_all
+from .register_blocks import pair_rows
 from .simd import JIT, ld
 
 
@@ -43,8 +46,9 @@ def tile_scales(scales, page, h, st):
 def score_rows(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
     """Scores of the query-head group against rows r0..r1-1 of kp (any format): of qh [G, D] itself, or for
     bfloat16 pages of q as `bf16_dot.split_query` prepared it (parts > 0: its bfloat16 parts qb [G, 3 * Dp],
-    vdpbf16ps; parts -1: its float32 halves qf [G, Dp], two FMAs per pair; 0: qh); float64 qh of a large group
-    over 16- or 32-bit float rows: the rows widened once into kt first (`_widen_once`: the same scores)."""
+    vdpbf16ps; parts -1: its float32 halves qf [G, Dp], two FMAs per pair; 0: qh); a large group over rows
+    narrower than qh (float64 qh over float32 / float16, float32 qh over float16): the rows widened once into kt
+    first (`_widen_once`: the same scores)."""
     if scales is not None:
         score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt)
     elif parts > 0 and kp.dtype == np.int16:
@@ -58,20 +62,25 @@ def score_rows(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
         qk(qh, kp, r0, r1, Sh, c)
 
 
-def wide_group(itemsize):
-    """Query heads per kv head from which float64 q.k widens a chunk of key rows once (float32 pages: 16, a
-    widening of one conversion saved 4 times; float16: 8, one of two conversions saved twice): below that, the
-    store and reload of the widened rows cost what they save."""
+def wide_group(acc_itemsize, itemsize):
+    """Query heads per kv head from which q.k accumulated in ``acc_itemsize`` bytes (8: float64, 4: float32) widens
+    a chunk of key rows of ``itemsize`` bytes once: float64 over float32 pages 16 (a widening of one conversion
+    saved 4 times), over float16 8 (one of two conversions saved twice); float32 over float16 32 (measured on the
+    Zen 4 guest, one thread, 4096 rows of d 128 by chunks of 16, q.k alone: G = 32 0.424 -> 0.405-0.414 ms, G = 16
+    0.442 -> 0.432-0.448, G = 8 0.45 -> 0.49). Below that, the store and reload of the widened rows cost what they
+    save."""
+    if acc_itemsize == 4:
+        return 32
     return 16 if itemsize == 4 else 8
 
 
 def _widen_once(qh, kp, kt, r0, r1):
-    """Whether the float64 scores (precision="highest") of a large query-head group take the chunk's key rows
-    widened once into the float64 scratch kt, instead of each 4-head block of `qk` widening them again (the
-    conversions, with the FMAs on the same two ports, bound that loop); the same float64 values either way: the
-    scores keep their bits."""
-    return (qh.dtype == np.float64 and kt.dtype == np.float64 and kp.dtype not in (np.float64, np.int16)
-            and qh.shape[0] >= wide_group(kp.itemsize) and r1 - r0 <= kt.shape[0])
+    """Whether the scores of a large query-head group take the chunk's key rows widened once into the scratch kt
+    (float64 q.k, precision="highest", over float32 or float16 rows; float32 q.k over float16 rows), instead of each
+    4-head block of `qk` widening them again (the conversions, with the FMAs on the same two ports, bound that
+    loop); the same products summed in the same order either way: the scores keep their bits."""
+    return (kt.dtype == qh.dtype and kp.dtype != qh.dtype and kp.dtype not in (np.float64, np.int16)
+            and qh.shape[0] >= wide_group(qh.itemsize, kp.itemsize) and r1 - r0 <= kt.shape[0])
 
 
 def key_scratch(scales, rows, width, qs):
@@ -82,12 +91,39 @@ def key_scratch(scales, rows, width, qs):
     return np.empty((rows, width), qs.dtype)
 
 
+def wide_values(storage_bits):
+    """Query heads per kv head from which 16-bit float value rows (float16: uint16 bits, bfloat16: int16) are
+    widened once per chunk into the float32 scratch before PV, rather than by each of `pv`'s 4-head blocks (a
+    float16 row's conversions share the FMAs' ports; a bfloat16 row's shift and mask are cheaper). Measured on the
+    Zen 4 guest (one thread, 4096 rows of d 128 by chunks of 16, PV alone, ms): float16 G = 32 0.42 -> 0.36,
+    G = 16 0.42 -> 0.39, G = 8 0.42 -> 0.45; bfloat16 G = 32 0.37 -> 0.36, G = 16 0.37 -> 0.38."""
+    return 16 if storage_bits == np.uint16 else 32
+
+
+def _wide_values(vp, ah, vt, r0, r1):
+    """Whether `value_rows` widens the chunk's 16-bit float value rows once into vt (float32; bfloat16 in the pair
+    order, `register_blocks.pair_rows`) and runs PV over those: the same products summed in the same order as PV
+    over the rows themselves (the widening is exact), so the same bits."""
+    return (vp.dtype in (np.uint16, np.int16) and ah.dtype == np.float32 and vt.dtype == np.float32
+            and ah.shape[0] >= wide_values(vp.dtype) and r1 - r0 <= vt.shape[0])
+
+
 def value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt):
     """The weighted sum of rows r0..r1-1 of vp (any format) into ah [G, Dv]."""
-    if scales is None:
-        pv(Sh, c, vp, r0, r1, ah)
-    else:
+    if scales is not None:
         value_rows_int8(Sh, c, vp, st, r0, r1, ah, vt)
+    elif _wide_values(vp, ah, vt, r0, r1):
+        _widen_values(vp, r0, r1, vt)
+        pv(Sh, c, vt, 0, r1 - r0, ah)
+    else:
+        pv(Sh, c, vp, r0, r1, ah)
+
+
+def _widen_values(vp, r0, r1, vt):
+    if vp.dtype == np.int16:
+        pair_rows(vp, r0, r1, vt)
+    else:
+        _float_block_rows(vp, r0, r1, vt, 0)
 
 
 def _float_block_rows(tile, s0, s1, dst, j):
@@ -130,9 +166,8 @@ if JIT:
         if not _floats(scales):
             return lambda qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt: score_rows_int8(qh, kp, st, r0, r1,
                                                                                                  Sh, c, kt)
-        if (qh.dtype == types.float64 and kt.dtype == types.float64
-                and kp.dtype not in (types.float64, types.int16)):
-            wide = wide_group(kp.dtype.bitwidth // 8)
+        if kt.dtype == qh.dtype and kp.dtype != qh.dtype and kp.dtype not in (types.float64, types.int16):
+            wide = wide_group(qh.dtype.bitwidth // 8, kp.dtype.bitwidth // 8)
 
             def widened(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
                 if qh.shape[0] >= wide and r1 - r0 <= kt.shape[0]:
@@ -161,6 +196,20 @@ if JIT:
 
     @overload(value_rows, inline="always")
     def _value_rows_ov(Sh, c, vp, st, scales, r0, r1, ah, vt):
+        if _floats(scales) and vp.dtype in (types.uint16, types.int16) and ah.dtype == vt.dtype == types.float32:
+            pairs = vp.dtype == types.int16
+            wide = wide_values(np.uint16 if vp.dtype == types.uint16 else np.int16)
+
+            def widened(Sh, c, vp, st, scales, r0, r1, ah, vt):
+                if ah.shape[0] >= wide and r1 - r0 <= vt.shape[0]:
+                    if pairs:
+                        pair_rows(vp, r0, r1, vt)
+                    else:
+                        _float_block_rows(vp, r0, r1, vt, 0)
+                    pv(Sh, c, vt, 0, r1 - r0, ah)
+                else:
+                    pv(Sh, c, vp, r0, r1, ah)
+            return widened
         if _floats(scales):
             return lambda Sh, c, vp, st, scales, r0, r1, ah, vt: pv(Sh, c, vp, r0, r1, ah)
         return lambda Sh, c, vp, st, scales, r0, r1, ah, vt: value_rows_int8(Sh, c, vp, st, r0, r1, ah, vt)

@@ -8,6 +8,7 @@ masked vector for n % lanes); the PV blocks process `n` (a multiple of 32) eleme
     dot14(qs, g, kp, t, n, last) -> 4 (1 head x 4 rows)
     pv4 / pv1(S, g, c, vp, t0, t1, acc, n)   acc[g + a, :n] += weights . value rows (4 heads / 1 head)
     in_pairs(vp, acc) / unpair(x, n)         bfloat16 values keep acc's lanes in the pair order / back to dims
+    pair_rows(vp, t0, t1, dst)               bfloat16 value rows widened into float32 rows in the pair order
     pair_dim(k)                              the dim lane k of the pair order holds
     row_f(x)                                 a storage row as compute values (NumPy; the twins' widening)
 """
@@ -15,7 +16,7 @@ import numpy as np
 from numba import njit
 from numba.extending import intrinsic, overload
 
-from .simd import JIT
+from .simd import JIT, ld
 
 
 def row_f(x):
@@ -96,6 +97,16 @@ def unpair(x, n):
                 tmp[j] = row[s + j]
             for j in range(32):
                 row[s + pair_dim(j)] = tmp[j]
+
+
+def pair_rows(vp, t0, t1, dst):
+    """dst[t - t0, :] = value row t of vp (bfloat16 bits, int16) as float32 (t in [t0, t1)), each whole strip of 32
+    lanes in the pair order (`in_pairs`: PV over these rows leaves its accumulators in the order PV over vp
+    itself would), the last ``width % 32`` by dim."""
+    n = vp.shape[1] - vp.shape[1] % 32
+    rows = row_f(vp[t0:t1])
+    dst[:t1 - t0, :n] = rows[:, :n][:, pair_dim(np.arange(n))]
+    dst[:t1 - t0, n:] = rows[:, n:]
 
 
 if JIT:
@@ -227,3 +238,43 @@ if JIT:
     @overload(pv1)
     def _pv1_ov(S, g, c, vp, t0, t1, acc, n):
         return lambda S, g, c, vp, t0, t1, acc, n: _pv1_ir(S, g, c, vp, t0, t1, acc, n)
+
+    @intrinsic
+    def _pair_strips_ir(typingctx, vp, t0, t1, dst):
+        """Rows [t0, t1) of vp (int16 bfloat16 bits), their whole strips of 32, into dst's rows from 0 (float32)."""
+        if not (isinstance(vp, types.Array) and isinstance(dst, types.Array) and vp.dtype == types.int16
+                and dst.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vty, _, _, dty = sig.args
+            t0_, t1_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2))
+            vary = context.make_array(vty)(context, builder, args[0])
+            vcols = _cg.unpack_tuple(builder, vary.shape, 2)[1]
+            n = builder.sub(vcols, builder.srem(vcols, _ir.Constant(I64, 32)))
+            fv = _ir.VectorType(_ir.FloatType(), 16)
+            with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(I64, 1)) as (t, _):
+                src = builder.gep(vary.data, [builder.mul(t, vcols)])
+                out = row_ptr_ir(context, builder, dty, args[3], builder.sub(t, t0_))
+                with _cg.for_range_slice(builder, _ir.Constant(I64, 0), n, _ir.Constant(I64, 32)) as (d, _):
+                    x = builder.load(builder.bitcast(builder.gep(src, [d]), _ir.VectorType(I32, 16).as_pointer()),
+                                     align=2)
+                    even, odd = bf16_pairs_ir(builder, x)
+                    builder.store(even, builder.bitcast(builder.gep(out, [d]), fv.as_pointer()), align=4)
+                    builder.store(odd, builder.bitcast(builder.gep(out, [builder.add(d, _ir.Constant(I64, 16))]),
+                                                       fv.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(vp, t0, t1, dst), codegen
+
+    @overload(pair_rows, inline="always")
+    def _pair_rows_ov(vp, t0, t1, dst):
+        def impl(vp, t0, t1, dst):
+            _pair_strips_ir(vp, t0, t1, dst)
+            W = vp.shape[1]
+            for t in range(t0, t1):
+                src = vp[t]
+                row = dst[t - t0]
+                for d in range(W - W % 32, W):
+                    row[d] = ld(src[d])
+        return impl
