@@ -65,10 +65,10 @@ def score_rows(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
 def wide_group(acc_itemsize, itemsize):
     """Query heads per kv head from which q.k accumulated in ``acc_itemsize`` bytes (8: float64, 4: float32) widens
     a chunk of key rows of ``itemsize`` bytes once: float64 over float32 pages 16 (a widening of one conversion
-    saved 4 times), over float16 8 (one of two conversions saved twice); float32 over float16 32 (measured on the
-    Zen 4 guest, one thread, 4096 rows of d 128 by chunks of 16, q.k alone: G = 32 0.424 -> 0.405-0.414 ms, G = 16
-    0.442 -> 0.432-0.448, G = 8 0.45 -> 0.49). Below that, the store and reload of the widened rows cost what they
-    save."""
+    saved 4 times), over float16 8 (one of two conversions saved twice); float32 over float16 or bfloat16 32
+    (measured on the Zen 4 guest, one thread, 4096 rows of d 128 by chunks of 16, q.k alone, ms: float16 G = 32
+    0.424 -> 0.405-0.414, G = 16 0.442 -> 0.432-0.448, G = 8 0.45 -> 0.49; bfloat16 G = 32 0.424 -> 0.408-0.415,
+    G = 16 0.43 -> 0.435-0.452). Below that, the store and reload of the widened rows cost what they save."""
     if acc_itemsize == 4:
         return 32
     return 16 if itemsize == 4 else 8
@@ -76,11 +76,17 @@ def wide_group(acc_itemsize, itemsize):
 
 def _widen_once(qh, kp, kt, r0, r1):
     """Whether the scores of a large query-head group take the chunk's key rows widened once into the scratch kt
-    (float64 q.k, precision="highest", over float32 or float16 rows; float32 q.k over float16 rows), instead of each
+    (float64 q.k, precision="highest", over float32 or float16 rows; float32 q.k over float16 or bfloat16 rows: the
+    latter where q is not split into bfloat16 parts or halves, `bf16_dot` mode 0), instead of each
     4-head block of `qk` widening them again (the conversions, with the FMAs on the same two ports, bound that
     loop); the same products summed in the same order either way: the scores keep their bits."""
-    return (kt.dtype == qh.dtype and kp.dtype != qh.dtype and kp.dtype not in (np.float64, np.int16)
+    return (kt.dtype == qh.dtype and kp.dtype != qh.dtype and kp.dtype not in _NOT_WIDENED[qh.itemsize]
             and qh.shape[0] >= wide_group(qh.itemsize, kp.itemsize) and r1 - r0 <= kt.shape[0])
+
+
+# key rows a q.k accumulation dtype (by itemsize) never widens once: float64 rows, and for float64 q.k bfloat16
+# rows (widened by a shift, as cheap as a reload)
+_NOT_WIDENED = {8: (np.float64, np.int16), 4: (np.float64,)}
 
 
 def key_scratch(scales, rows, width, qs):
@@ -179,11 +185,17 @@ if JIT:
         if kp.dtype != types.int16:
             return lambda qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt: qk(qh, kp, r0, r1, Sh, c)
 
+        widen = qh.dtype == kt.dtype == types.float32
+        wide = wide_group(4, 2)
+
         def bf16_pages(qh, qb, qf, parts, kp, st, scales, r0, r1, Sh, c, kt):
             if parts > 0:
                 qk(qb, kp, r0, r1, Sh, c, parts)
             elif parts < 0:
                 qk(qf, kp, r0, r1, Sh, c, 1)
+            elif widen and qh.shape[0] >= wide and r1 - r0 <= kt.shape[0]:
+                _float_block_rows(kp, r0, r1, kt, 0)
+                qk(qh, kt, 0, r1 - r0, Sh, c)
             else:
                 qk(qh, kp, r0, r1, Sh, c)
         return bf16_pages

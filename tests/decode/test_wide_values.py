@@ -1,7 +1,8 @@
 """Rows of a large query-head group widened once per chunk: 16-bit value rows (`loaders.value_rows`,
 `register_blocks.pair_rows`): the widened rows against NumPy (bfloat16 in the pair order), and PV over them
 bit for bit PV over the stored rows, for float16 and bfloat16 pages at groups on both sides of the threshold;
-float16 key rows under float32 q.k (`loaders.score_rows`): the scores bit for bit those over the stored rows."""
+float16 / bfloat16 key rows under float32 q.k (`loaders.score_rows`, q itself: `bf16_dot` mode 0): the scores
+bit for bit those over the stored rows."""
 import numpy as np
 import pytest
 from numba import njit
@@ -78,7 +79,8 @@ def test_the_thresholds_are_the_measured_groups():
 
 @njit
 def _jit_score_rows(qh, kp, r0, r1, Sh, c, kt):
-    score_rows(qh, qh, qh, 0, kp, None, None, r0, r1, Sh, c, kt)
+    G = qh.shape[0]     # parts 0: q itself (the split buffers only typed, as the kernel's are when unused)
+    score_rows(qh, np.zeros((G, 0), np.int16), np.zeros((G, 0), np.float32), 0, kp, None, None, r0, r1, Sh, c, kt)
 
 
 @njit
@@ -86,11 +88,12 @@ def _jit_qk(qh, kp, r0, r1, Sh, c):
     qk(qh, kp, r0, r1, Sh, c)
 
 
+@pytest.mark.parametrize("make", [_f16_rows, _bf16_rows])
 @pytest.mark.parametrize("heads, acc", [(8, np.float32), (32, np.float32), (36, np.float32), (8, np.float64)])
 @pytest.mark.parametrize("width", [128, 64 + 5])
-def test_float16_keys_widened_once_give_the_bits_of_the_scores_over_the_rows(heads, acc, width):
+def test_16bit_keys_widened_once_give_the_bits_of_the_scores_over_the_rows(make, heads, acc, width):
     rng = np.random.default_rng(heads + width)
-    kp = _f16_rows(rng, 40, width)
+    kp = make(rng, 40, width)
     qh = rng.standard_normal((heads, width)).astype(acc)
     direct = np.zeros((heads, 48), acc)
     widened = np.zeros((heads, 48), acc)
@@ -99,4 +102,5 @@ def test_float16_keys_widened_once_give_the_bits_of_the_scores_over_the_rows(hea
         _jit_qk(qh, kp, r0, r1, direct, c)
         _jit_score_rows(qh, kp, r0, r1, widened, c, kt)
     assert np.array_equal(direct, widened)
-    assert np.isnan(kt).all() == (heads < wide_group(qh.itemsize, 2))
+    widened_rows = heads >= wide_group(qh.itemsize, 2) and not (acc == np.float64 and kp.dtype == np.int16)
+    assert np.isnan(kt).all() != widened_rows
