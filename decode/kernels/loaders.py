@@ -97,13 +97,13 @@ def key_scratch(scales, rows, width, qs):
     return np.empty((rows, width), qs.dtype)
 
 
-def wide_values(storage_bits):
-    """Query heads per kv head from which 16-bit float value rows (float16: uint16 bits, bfloat16: int16) are
+def wide_values(bfloat16):
+    """Query heads per kv head from which 16-bit float value rows (bfloat16 True: int16 bits; False: float16) are
     widened once per chunk into the float32 scratch before PV, rather than by each of `pv`'s 4-head blocks (a
     float16 row's conversions share the FMAs' ports; a bfloat16 row's shift and mask are cheaper). Measured on the
     Zen 4 guest (one thread, 4096 rows of d 128 by chunks of 16, PV alone, ms): float16 G = 32 0.42 -> 0.36,
     G = 16 0.42 -> 0.39, G = 8 0.42 -> 0.45; bfloat16 G = 32 0.37 -> 0.36, G = 16 0.37 -> 0.38."""
-    return 16 if storage_bits == np.uint16 else 32
+    return 32 if bfloat16 else 16
 
 
 def _wide_values(vp, ah, vt, r0, r1):
@@ -111,7 +111,7 @@ def _wide_values(vp, ah, vt, r0, r1):
     order, `register_blocks.pair_rows`) and runs PV over those: the same products summed in the same order as PV
     over the rows themselves (the widening is exact), so the same bits."""
     return (vp.dtype in (np.uint16, np.int16) and ah.dtype == np.float32 and vt.dtype == np.float32
-            and ah.shape[0] >= wide_values(vp.dtype) and r1 - r0 <= vt.shape[0])
+            and ah.shape[0] >= wide_values(vp.dtype == np.int16) and r1 - r0 <= vt.shape[0])
 
 
 def value_rows(Sh, c, vp, st, scales, r0, r1, ah, vt):
@@ -210,7 +210,7 @@ if JIT:
     def _value_rows_ov(Sh, c, vp, st, scales, r0, r1, ah, vt):
         if _floats(scales) and vp.dtype in (types.uint16, types.int16) and ah.dtype == vt.dtype == types.float32:
             pairs = vp.dtype == types.int16
-            wide = wide_values(np.uint16 if vp.dtype == types.uint16 else np.int16)
+            wide = wide_values(pairs)
 
             def widened(Sh, c, vp, st, scales, r0, r1, ah, vt):
                 if ah.shape[0] >= wide and r1 - r0 <= vt.shape[0]:
