@@ -27,7 +27,7 @@ import numpy as np
 
 from kvcache.jit_store import writable
 
-from .kernels import bf16_dot
+from .kernels import amx_tiles, bf16_dot
 from .kernels.per_query import query_parallel, query_serial
 from .kernels.tiled import tiled_parallel, tiled_serial
 from .kernels.units import find_runs, plan_tiles, plan_units
@@ -243,7 +243,7 @@ class TilePlan:
     def __init__(self, runs, keys, window, num_q_heads, num_kv_heads, head_dim, head_dim_v, acc0, *, mode=0,
                  split_tokens=0, threads=None):
         self.runs, self.acc0 = runs, acc0
-        self.dot = bf16_dot.tile_mode()
+        self.dot = 2 if amx_tiles.usable() else bf16_dot.tile_mode()    # 2: scores on AMX tiles (bfloat16 pages)
         group = num_q_heads // num_kv_heads
         self.tokens = tokens = max(1, TILE_ROWS // group)
         nthreads = numba.get_num_threads() if threads is None else threads

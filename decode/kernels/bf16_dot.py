@@ -197,6 +197,10 @@ def _u2f(u):
     return np.uint32(u).view(np.float32)
 
 
+f2u = _f2u          # public names of the two bit casts (typed for the JIT below; `amx_tiles` splits with them)
+u2f = _u2f
+
+
 if JIT:
     from llvmlite import ir as _ir
 

@@ -6,7 +6,7 @@ taken in another order: the odd element of each pair first). A q that is not exa
 path: splitting it into parts would cost more than the instruction saves (`bf16_dot`).
 
     page_piece(pages, P, t, left)               (page row, first row in it, rows) of the block piece at key t
-    pair_scratch(k_pages, QT, block)            (QP int16 [D / 2, 2 * rows], Kp int16 [block + MR, D]): the
+    pair_scratch(k_pages, QT, block, dot)       (QP int16 [D / 2, 2 * rows], Kp int16 [block + MR, D]): the
                                                 tile's q pairs and a key-row scratch; [0, 0] where the pairs
                                                 do not apply (pages not bfloat16, q.k not float32, D odd)
     tile_pairs(QT, R, Rp, QP)                   QT's first R columns exactly bfloat16? then QP <- their pairs
@@ -32,13 +32,22 @@ def page_piece(pages, P, t, left):
     return pages[pg], s0, min(P - s0, left)
 
 
-def pair_scratch(k_pages, QT, block):
+def pair_scratch(k_pages, QT, block, dot):
     """The pair path's buffers for a tile of up to QT.shape[1] columns: QP [D / 2, 2 * columns] and Kp [block +
-    MR, D] (int16), or empty ones where it does not apply (pages not bfloat16 bits, QT not float32, odd D)."""
+    MR, D] (int16), or empty ones where it does not apply (pages not bfloat16 bits, QT not float32, odd D). dot 2
+    with D a multiple of 32 (the AMX tiles, `amx_tiles`): QP [3 * D / 2, 2 * columns rounded up to 32] (three
+    parts) and Kp [block + 32, D]."""
     D, cols = QT.shape
     if k_pages.dtype == np.int16 and QT.dtype == np.float32 and D % 2 == 0:
-        return np.zeros((D // 2, 2 * cols), np.int16), np.zeros((block + MR, D), np.int16)
+        return _sized(D, cols, block, dot)
     return np.zeros((0, 0), np.int16), np.zeros((0, 0), np.int16)
+
+
+@njit(cache=True)
+def _sized(D, cols, block, dot):
+    if dot == 2 and D % 32 == 0:
+        return np.zeros((3 * (D // 2), 2 * (-(-cols // 32) * 32)), np.int16), np.zeros((block + 32, D), np.int16)
+    return np.zeros((D // 2, 2 * cols), np.int16), np.zeros((block + MR, D), np.int16)
 
 
 def tile_pairs(QT, R, Rp, QP):
@@ -83,15 +92,15 @@ if JIT:
         return k_pages.dtype == types.int16 and QT.dtype == types.float32
 
     @overload(pair_scratch)
-    def _pair_scratch_ov(k_pages, QT, block):
+    def _pair_scratch_ov(k_pages, QT, block, dot):
         if _applies(k_pages, QT):
-            def impl(k_pages, QT, block):
+            def impl(k_pages, QT, block, dot):
                 D, cols = QT.shape
                 if D % 2 == 0:
-                    return np.zeros((D // 2, 2 * cols), np.int16), np.zeros((block + MR, D), np.int16)
+                    return _sized(D, cols, block, dot)
                 return np.zeros((0, 0), np.int16), np.zeros((0, 0), np.int16)
             return impl
-        return lambda k_pages, QT, block: (np.zeros((0, 0), np.int16), np.zeros((0, 0), np.int16))
+        return lambda k_pages, QT, block, dot: (np.zeros((0, 0), np.int16), np.zeros((0, 0), np.int16))
 
     @overload(tile_pairs, inline="always")
     def _tile_pairs_ov(QT, R, Rp, QP):

@@ -28,6 +28,7 @@ occupy consecutive slots in key order, their number in `item_parts`.
 import numpy as np
 from numba import njit, prange
 
+from .amx_tiles import amx_block, pack_parts, tile_config
 from .gemm import COLMAX, FRESH, MR, RESCALE, SCALE, gemm_strip, transpose16
 from .loaders import block_rows
 from .pair_scores import page_piece, pair_scratch, score_strip, tile_pairs
@@ -301,7 +302,7 @@ def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg
 
 @njit(cache=True, fastmath=FAST)
 def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, nt, ka, kb, window, sc, block,
-                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot, QP, Kp):
+                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot, QP, Kp, cfg):
     """Unnormalised attention of one tile (queries i0..i0+nt-1 at positions pos0.., kv head h) over the keys in
     [ka, kb) of the sequence with page row `pages` (sc: the score scale in the compute dtype). Leaves m[R], l[R],
     O[R, :Dv] (R = nt * G; rows padded to the vector width are zero queries). Scratch: QT [D, >=Rp] and Kb [>=block+3, D]
@@ -316,7 +317,9 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
     R = nt * G
     Rp = -(-R // L) * L
     _load_tile(q, i0, nt, h, G, QT, Rp)
-    pairs = dot != 0 and tile_pairs(QT, R, Rp, QP)
+    amx = dot == 2 and QP.shape[0] > 0 and QP.shape[0] == 3 * (QT.shape[0] // 2)    # the tiles (`amx_tiles`)
+    parts = pack_parts(QT, R, Rp, QP) if amx else 0
+    pairs = not amx and dot != 0 and tile_pairs(QT, R, Rp, QP)
     for r in range(Rp):
         p = pos0 + min(r, R - 1) // G
         rpos[r] = p
@@ -339,7 +342,9 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
             for r in range(Rp):
                 alpha[r] = m[r]
         flags = FRESH | SCALE | (0 if masked else COLMAX)
-        if pairs:
+        if amx:
+            amx_block(k_pages, pages, h, b0, nb, Kp, QP, parts, ST, Rp, flags, sc, alpha, cfg)
+        elif pairs:
             pair_block(k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, alpha)
         else:
             score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, alpha)
@@ -381,10 +386,11 @@ def tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     Rmax = -(-(tokens * G) // L) * L
     Dvp = -(-Dv // L) * L
     QT = np.full((D, Rmax), acc0)
-    QP, Kp = pair_scratch(k_pages, QT, block)
+    QP, Kp = pair_scratch(k_pages, QT, block, dot)
+    cfg = tile_config()
     Kb = np.full((block + MR, D), acc0)
     Vb = np.zeros((block + MR, Dvp), dt)
-    ST = np.empty((block + MR, Rmax), dt)
+    ST = np.empty((block + 32, -(-Rmax // 32) * 32), dt) if dot == 2 else np.empty((block + MR, Rmax), dt)
     O = np.empty((Rmax, Dvp), dt)
     m = np.empty(Rmax, dt)
     l = np.empty(Rmax, dt)
@@ -407,7 +413,7 @@ def tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, runs[run, 3] + t0, nt, units[u, 4],
                     units[u, 5], window, sc, block, QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot,
-                    QP, Kp)
+                    QP, Kp, cfg)
         if slot < 0:
             _store_tile(O, l, out, i0, nt, h, G)
         else:

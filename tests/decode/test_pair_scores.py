@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from decode.attention_plan import attend_runs
-from decode.kernels import bf16_dot, gemm
+from decode.kernels import amx_tiles, bf16_dot, gemm
 from decode.kernels.pair_scores import pair_scratch, tile_pairs
 from decode.kernels.simd import JIT
 
@@ -36,7 +36,10 @@ def as_bf16(x):
 
 @pytest.fixture
 def mode(monkeypatch):
-    """Set the mode plans pass to the kernels (0 stays 0 where the CPU has no avx512bf16: `plan_mode`)."""
+    """Set the mode plans pass to the kernels (0 stays 0 where the CPU has no avx512bf16: `plan_mode`); the AMX
+    tiles off (`amx_tiles`: they take every bfloat16 tile where the CPU has them)."""
+    monkeypatch.setenv(amx_tiles.ENV, "0")
+
     def set_mode(m):
         monkeypatch.setattr(bf16_dot, "MODE", m)
     return set_mode
@@ -130,10 +133,10 @@ def test_pair_scratch_only_for_bfloat16_pages_and_float32_scores(pages, qt, shap
     scratches = [pair_scratch]
     if JIT:
         from numba import njit
-        scratches.append(njit(lambda k, QT, block: pair_scratch(k, QT, block)))
+        scratches.append(njit(lambda k, QT, block, dot: pair_scratch(k, QT, block, dot)))
     for scratch in scratches:
-        assert scratch(np.zeros((1, 1, 4, 8), pages), np.zeros((8, 16), qt), 32)[0].shape == shape
-        assert scratch(np.zeros((1, 1, 4, 7), pages), np.zeros((7, 16), qt), 32)[0].shape == (0, 0)
+        assert scratch(np.zeros((1, 1, 4, 8), pages), np.zeros((8, 16), qt), 32, 1)[0].shape == shape
+        assert scratch(np.zeros((1, 1, 4, 7), pages), np.zeros((7, 16), qt), 32, 1)[0].shape == (0, 0)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -193,14 +196,17 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("grid_case", _grid(reduced), ids=lambda c: "d%d-g%d-p%d-w%d" % c)
 
 
-def test_grid(grid_case, reduced_grid):
-    """Prefill and extend runs of a bfloat16 q over bfloat16 pages, serial / parallel / split: within budget."""
+def test_grid(grid_case, reduced_grid, monkeypatch):
+    """Prefill and extend runs of a bfloat16 q over bfloat16 pages, serial / parallel / split: within budget; where
+    the CPU has AMX tiles, with them (the default) and without (the pairs)."""
     D, group, P, window = grid_case
     rng = np.random.default_rng(D * 1000 + group * 100 + P * 10 + window)
     T = 6 if reduced_grid else 37
     case = Case(rng, D=D, group=group, P=P, lengths=(T, 70 + T), runs=(T, T), window=window)
-    for m, split in MODES:
-        case.check(case.run(mode=m, split_tokens=split))
+    for tiles in ("", "0") if amx_tiles.usable() else ("",):
+        monkeypatch.setenv(amx_tiles.ENV, tiles)
+        for m, split in MODES:
+            case.check(case.run(mode=m, split_tokens=split))
 
 
 @pytest.mark.parametrize("D", [33, 128])
