@@ -197,7 +197,7 @@ def _u2f(u):
     return np.uint32(u).view(np.float32)
 
 
-f2u = _f2u          # public names of the two bit casts (typed for the JIT below; `amx_tiles` splits with them)
+f2u = _f2u          # public names of the bit casts (typed for the JIT below; `amx_tiles` splits with them)
 u2f = _u2f
 
 
@@ -253,6 +253,8 @@ if JIT:
                                     np.zeros((qs.shape[0], 0, 0), np.float32))
 else:
     _split, _exact, _pairs, _hi = _split_body, _exact_body, _pairs_body, _hi_body
+
+high = _high        # the high half of uint32 bits as int16 (public: `amx_tiles` packs parts with it)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from .gemm import MR, gemm_strip, gemm_strip_bf
-from .simd import FAST, JIT
+from .simd import FAST, JIT, zeros64
 
 
 @njit(cache=True)
@@ -45,8 +45,9 @@ def pair_scratch(k_pages, QT, block, dot):
 
 @njit(cache=True)
 def _sized(D, cols, block, dot):
-    if dot == 2 and D % 32 == 0:
-        return np.zeros((3 * (D // 2), 2 * (-(-cols // 32) * 32)), np.int16), np.zeros((block + 32, D), np.int16)
+    if dot == 2 and D % 32 == 0:      # tile operands: rows on 64-byte boundaries (`simd.zeros64`)
+        like = np.zeros(0, np.int16)
+        return zeros64(3 * (D // 2), 2 * (-(-cols // 32) * 32), like), zeros64(block + 32, D, like)
     return np.zeros((D // 2, 2 * cols), np.int16), np.zeros((block + MR, D), np.int16)
 
 

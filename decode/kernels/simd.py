@@ -75,7 +75,17 @@ def pow2(n):
     return np.float32(np.ldexp(np.float32(1.0), int(n)))
 
 
+def zeros64(rows, cols, like):
+    """A zero array [rows, cols] of like's dtype whose first element lies on a 64-byte boundary (a tile's rows must:
+    an unaligned tile load measured ~6x slower), C-contiguous."""
+    n = rows * cols
+    flat = np.zeros(n + 64 // like.itemsize, like.dtype)
+    off = (-flat.ctypes.data % 64) // like.itemsize
+    return flat[off:off + n].reshape((rows, cols))
+
+
 if JIT:
+    zeros64 = njit(cache=True)(zeros64)
     from llvmlite import ir as _ir
 
     @intrinsic

@@ -28,11 +28,11 @@ occupy consecutive slots in key order, their number in `item_parts`.
 import numpy as np
 from numba import njit, prange
 
-from .amx_tiles import amx_block, pack_parts, tile_config
+from .amx_tiles import amx_block, amx_values, pack_parts, tile_config, value_scratch
 from .gemm import COLMAX, FRESH, MR, RESCALE, SCALE, gemm_strip, transpose16
 from .loaders import block_rows
 from .pair_scores import page_piece, pair_scratch, score_strip, tile_pairs
-from .simd import EXP_FLAGS, FAST, JIT, exp_inline, prefetch_lines
+from .simd import EXP_FLAGS, FAST, JIT, exp_inline, prefetch_lines, zeros64
 from .units import merge_rows
 
 NEG = -3.0e38         # "no key yet" running max: finite (fastmath), below every admissible score
@@ -302,7 +302,7 @@ def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg
 
 @njit(cache=True, fastmath=FAST)
 def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, nt, ka, kb, window, sc, block,
-                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot, QP, Kp, cfg):
+                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot, QP, Kp, cfg, PT, PA, VB):
     """Unnormalised attention of one tile (queries i0..i0+nt-1 at positions pos0.., kv head h) over the keys in
     [ka, kb) of the sequence with page row `pages` (sc: the score scale in the compute dtype). Leaves m[R], l[R],
     O[R, :Dv] (R = nt * G; rows padded to the vector width are zero queries). Scratch: QT [D, >=Rp] and Kb [>=block+3, D]
@@ -350,8 +350,11 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
             score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, alpha)
         _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg)
         _prefetch_block(v_pages, pages, h, b1, nxt)
-        value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L,
-                    RESCALE if b0 > lo else 0, alpha)       # O is still zero after the first block: no rescale
+        if amx and PA.shape[0] > 0:
+            amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, b0 > lo, alpha, cfg)
+        else:
+            value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L,
+                        RESCALE if b0 > lo else 0, alpha)   # O is still zero after the first block: no rescale
         b0 = b1
 
 
@@ -390,8 +393,11 @@ def tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     cfg = tile_config()
     Kb = np.full((block + MR, D), acc0)
     Vb = np.zeros((block + MR, Dvp), dt)
-    ST = np.empty((block + 32, -(-Rmax // 32) * 32), dt) if dot == 2 else np.empty((block + MR, Rmax), dt)
-    O = np.empty((Rmax, Dvp), dt)
+    Rs = -(-Rmax // 32) * 32 if dot == 2 else Rmax    # the AMX tiles' rows (`amx_tiles`): whole tiles of 32
+    like = np.zeros(0, dt)
+    ST = zeros64(block + 32, Rs, like) if dot == 2 else np.empty((block + MR, Rmax), dt)
+    O = zeros64(Rs, Dvp, like) if dot == 2 else np.empty((Rmax, Dvp), dt)
+    PT, PA, VB = value_scratch(v_pages, O, block, Rs, dot)
     m = np.empty(Rmax, dt)
     l = np.empty(Rmax, dt)
     alpha = np.empty(Rmax, dt)
@@ -413,7 +419,7 @@ def tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, runs[run, 3] + t0, nt, units[u, 4],
                     units[u, 5], window, sc, block, QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot,
-                    QP, Kp, cfg)
+                    QP, Kp, cfg, PT, PA, VB)
         if slot < 0:
             _store_tile(O, l, out, i0, nt, h, G)
         else:

@@ -63,22 +63,33 @@ def test_split_is_exact(scale, kind):
 
 
 @TILES
-@pytest.mark.parametrize("D,nbp,Rp,parts", [(32, 32, 32, 1), (64, 64, 96, 3), (128, 128, 128, 3), (128, 96, 64, 2)])
-def test_tile_gemm_against_products(D, nbp, Rp, parts):
-    """ST = K . the parts' columns within a float32 sum's bound of the float64 products (every product exact)."""
+@pytest.mark.parametrize("D,nb,Rp,parts,P", [(32, 32, 32, 1, 32), (64, 59, 96, 3, 16), (128, 128, 128, 3, 64),
+                                            (128, 90, 64, 2, 8), (64, 40, 32, 3, 24)])
+def test_tile_gemm_against_products(D, nb, Rp, parts, P):
+    """ST = K . the parts' columns within a float32 sum's bound of the float64 products (every product exact), the
+    keys read in place (whole 16-key groups inside a page) or staged (pages of 8 / 24, a last partial group), from
+    pages in shuffled order starting at key 5 (staged: not at a 16-key offset) or 0."""
     from numba import njit
-    rng = np.random.default_rng(D + nbp + Rp)
-    Kt = naive.bf16_bits(rng.standard_normal((nbp, D)) * 4).view(np.int16)
+    from decode.kernels.simd import zeros64
+    rng = np.random.default_rng(D + nb + Rp + P)
+    b0 = 5 if P % 16 else 0
+    n_pages = -(-(b0 + nb + 32) // P)
+    pool = naive.bf16_bits(rng.standard_normal((n_pages, 2, P, D)) * 4).view(np.int16)
+    pages = rng.permutation(n_pages).astype(np.int32)
+    keys = np.concatenate([pool[pg, 1] for pg in pages])[b0:b0 + nb]
     QT = (rng.standard_normal((D, Rp)) * 4).astype(np.float32)
-    QA = np.zeros((3 * D // 2, 2 * Rp), np.int16)
+    QA = zeros64(3 * D // 2, 2 * Rp, np.zeros(0, np.int16))
     amx_tiles.pack_parts(QT, Rp, Rp, QA)
-    ST = np.full((nbp, Rp), np.nan, np.float32)
-    run = njit(lambda Kt, QA, parts, ST, nbp, Rp, cfg: amx_tiles.amx_scores(Kt, QA, parts, ST, nbp, Rp, cfg))
-    run(Kt, QA, parts, ST, nbp, Rp, amx_tiles.tile_config())
-    ref = amx_tiles.scores_reference(Kt, QA, parts, nbp, Rp)
-    kabs = np.abs(naive.bf16_values(Kt.view(np.uint16))).astype(np.float64)
+    Kt = zeros64(nb + 32, D, np.zeros(0, np.int16))
+    ST = zeros64(nb + 32, Rp, np.zeros(0, np.float32))
+    run = njit(lambda pool, pages, b0, nb, Kt, QA, parts, ST, Rp, cfg: (
+        amx_tiles.stage_keys(pool, pages, 1, b0, nb, Kt),
+        amx_tiles.amx_scores(pool, pages, 1, b0, nb, Kt, QA, parts, ST, Rp, cfg)))
+    run(pool, pages, b0, nb, Kt, QA, parts, ST, Rp, amx_tiles.tile_config())
+    ref = amx_tiles.scores_reference(keys, QA, parts, nb, Rp)
+    kabs = np.abs(naive.bf16_values(keys.view(np.uint16))).astype(np.float64)
     bound = 3 * parts * D * 2.0 ** -24 * (kabs @ np.abs(_parts_values(QA, parts, D, Rp)).sum(axis=0))
-    assert np.all(np.abs(ST - ref) <= bound + 1e-30)
+    assert np.all(np.abs(ST[:nb] - ref) <= bound + 1e-30)
 
 
 class Case(pair_cases.Case):
