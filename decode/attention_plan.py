@@ -105,6 +105,16 @@ ROUTE_MIN_RUN = {
     (BFLOAT16, 128): ((1, 6), (2, 4), (4, 4, (5,)), (8, 2)),
 }
 
+# bfloat16 pages where the tiled kernel runs on AMX tiles (`kernels.amx_tiles.usable`): its rows are padded to 32
+# and its products take other costs, so the lengths differ. Measured on the 2-vCPU Intel guest with AMX (2026-12-06,
+# main at 0095f0d; the same command, `--storages bfloat16`, both q dtypes; benchmarks/results/routing-intel-amx-
+# 2026-12-06*.jsonl), lengths (worst loss): d128 G1 6 (1.09), G2 5 (1.00), G4 4 (1.08), G8 3 (1.00), G16+ 2 (1.00);
+# d64 G1 7 (1.06), G2 6 (1.04), G4 5 (1.08), G8 3 (1.00), G16+ 2 (1.00).
+ROUTE_MIN_RUN_AMX = {
+    64: ((1, 7), (2, 6), (4, 5), (8, 3), (16, 2)),
+    128: ((1, 6), (2, 5), (4, 4), (8, 3), (16, 2)),
+}
+
 
 def _skipped(entry) -> tuple:
     """The run lengths a `ROUTE_MIN_RUN` entry leaves to the per-query kernel above its length (its third
@@ -112,23 +122,26 @@ def _skipped(entry) -> tuple:
     return tuple(entry[2]) if len(entry) > 2 else ()
 
 
-LONGEST_MIN_RUN = max([MIN_RUN] + [e[1] for table in ROUTE_MIN_RUN.values() for e in table])   # any shapes' bound
+LONGEST_MIN_RUN = max([MIN_RUN] + [e[1] for table in (*ROUTE_MIN_RUN.values(), *ROUTE_MIN_RUN_AMX.values())
+                                    for e in table])   # any shapes' bound
 # a skipped length lies below it: from LONGEST_MIN_RUN on every shape's run is tiled (`decode.hf.query_chunks`)
 assert all(x < LONGEST_MIN_RUN for table in ROUTE_MIN_RUN.values() for e in table for x in _skipped(e))
 
 
 def route_rule(group: int, head_dim: int, storage) -> tuple[int, tuple]:
     """(min_run, skip): runs of one sequence's consecutive queries of >= min_run queries, other than the lengths
-    in skip, go to the tiled kernel; the others to the per-query kernel (`ROUTE_MIN_RUN`; MIN_RUN and no skip
-    where it has no entry). A function of the shapes only (never of the thread count, the context length, q or
+    in skip, go to the tiled kernel; the others to the per-query kernel (`ROUTE_MIN_RUN`, `ROUTE_MIN_RUN_AMX` for
+    bfloat16 pages where the tiles run; MIN_RUN and no skip where it has no entry). A function of the shapes only (never of the thread count, the context length, q or
     the other queries of a call), so a sequence is routed the same alone and in any batch (docs/kernel.md,
     "Determinism")."""
     name = BFLOAT16 if isinstance(storage, str) and storage == BFLOAT16 else np.dtype(storage).name
-    dims = [d for (fmt, d) in ROUTE_MIN_RUN if fmt == name and d <= head_dim]
+    table = {(BFLOAT16, d): e for d, e in ROUTE_MIN_RUN_AMX.items()} if (
+        name == BFLOAT16 and amx_tiles.usable()) else ROUTE_MIN_RUN
+    dims = [d for (fmt, d) in table if fmt == name and d <= head_dim]
     if not dims:
         return MIN_RUN, ()
     rule = (MIN_RUN, ())
-    for entry in ROUTE_MIN_RUN[name, max(dims)]:
+    for entry in table[name, max(dims)]:
         if group >= entry[0]:
             rule = (entry[1], _skipped(entry))
     return rule

@@ -158,3 +158,22 @@ def test_a_plan_for_one_thread_is_serial_whatever_numbas_count(count):
                 assert parts[0].serial == (threads == 1)
     finally:
         numba.set_num_threads(before)
+
+
+def test_bfloat16_rule_follows_the_tiles(monkeypatch):
+    """bfloat16 pages take `ROUTE_MIN_RUN_AMX` where the tiled kernel runs on AMX tiles, `ROUTE_MIN_RUN` with the
+    tiles off ($KVENGINE_AMX=0) or on a CPU without them; other formats never change."""
+    from decode.kernels import amx_tiles
+    tiles = amx_tiles.usable()
+    for head_dim, table in AP.ROUTE_MIN_RUN_AMX.items():
+        for entry in table:
+            want = entry[1] if tiles else dict((e[0], e[1]) for e in AP.ROUTE_MIN_RUN[AP.BFLOAT16, head_dim])
+            got = AP.route_min_run(entry[0], head_dim, AP.BFLOAT16)
+            if tiles:
+                assert got == want
+            else:
+                assert got == max((g, m) for g, m in want.items() if g <= entry[0])[1]
+    f32 = AP.route_rule(4, 128, np.float32)
+    monkeypatch.setenv(amx_tiles.ENV, "0")
+    assert AP.route_rule(4, 128, np.float32) == f32
+    assert AP.route_rule(4, 128, AP.BFLOAT16) == (4, (5,))
