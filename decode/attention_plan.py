@@ -131,8 +131,9 @@ assert all(x < LONGEST_MIN_RUN for table in ROUTE_MIN_RUN.values() for e in tabl
 def route_rule(group: int, head_dim: int, storage) -> tuple[int, tuple]:
     """(min_run, skip): runs of one sequence's consecutive queries of >= min_run queries, other than the lengths
     in skip, go to the tiled kernel; the others to the per-query kernel (`ROUTE_MIN_RUN`, `ROUTE_MIN_RUN_AMX` for
-    bfloat16 pages where the tiles run; MIN_RUN and no skip where it has no entry). A function of the shapes only (never of the thread count, the context length, q or
-    the other queries of a call), so a sequence is routed the same alone and in any batch (docs/kernel.md,
+    bfloat16 pages where the tiles run; MIN_RUN and no skip where it has no entry). A function of the shapes (and
+    of whether the process runs AMX tiles) only (never of the thread count, the context length, q or the other
+    queries of a call), so a sequence is routed the same alone and in any batch (docs/kernel.md,
     "Determinism")."""
     name = BFLOAT16 if isinstance(storage, str) and storage == BFLOAT16 else np.dtype(storage).name
     table = {(BFLOAT16, d): e for d, e in ROUTE_MIN_RUN_AMX.items()} if (

@@ -12,9 +12,13 @@
     bf16_dot.py   bfloat16 pages by vdpbf16ps: q split exactly into bfloat16 parts, the 4 x 4 / 1 x 4 dot blocks
     pair_scores.py the tiled kernel's score GEMM over bfloat16 pairs (vdpbf16ps) for a tile whose q is exactly
                   bfloat16
+    amx_tiles.py  Intel AMX tile multiplies (tdpbf16ps, LLVM intrinsics) for the tiled kernel's two GEMMs over
+                  bfloat16 pages, where the CPU has AMX-BF16 and the OS grants the tile state
+    amx_blocks.py the tiled kernel's block steps around them: q / weights split into exact bfloat16 parts, keys
+                  staged, value rows paired, the score epilogue
     simd.py       scalar and SIMD helpers: element loads, prefetch hints and page touches (address translations
                   ahead of the hints), borrowed arrays, exact 2**n, lane reductions, polynomial exp (each with a
-                  plain-Python twin for NUMBA_DISABLE_JIT)
+                  plain-Python twin for NUMBA_DISABLE_JIT), zero arrays on 64-byte rows
     register_blocks.py the LLVM-IR dot (4 x 4, 1 x 4) and PV (4-head, 1-head) register blocks, with NumPy twins
     vector_ir.py  the LLVM IR the vector code is built of: widening loads, masked tails, ordered adds, FMAs, the
                   butterfly reduction of many accumulators, the bfloat16 pair widening

@@ -1,59 +1,41 @@
-"""The tiled kernel's score GEMM on Intel AMX tiles (`tdpbf16ps`), for bfloat16 pages.
+"""Intel AMX tile multiplies (`tdpbf16ps`) for the tiled kernel's two GEMMs over bfloat16 pages, emitted as LLVM
+intrinsics (the per-block preparation around them: `amx_blocks`).
 
-Where the CPU has AMX-BF16 (and the OS grants the tile state), ST = K @ QT of `tiled.attend_tile` runs on tile
-multiplies: C [16 keys, 16 rows] += A [16 keys, 32 bfloat16 of head_dim] . B [16 pairs of head_dim, 16 rows, 2],
-1024 bfloat16 products per instruction against 32 for `vdpbf16ps`. A float32 q is split exactly into bfloat16 parts
-(hi + mid + lo, by truncation as in `bf16_dot`: every normal float32 is their exact sum); a bfloat16 q (a bfloat16
-model's) has one. Every product of two bfloat16 is exact in float32, so a score's only roundings are its float32
-additions, as on the widened path; the sums are taken in the tile unit's order (head_dim in chunks of 32,
-each chunk's parts in turn), so the bits differ from the other paths' (still deterministic: the same on every call and thread count).
-The unit reads bfloat16 subnormals as zero and flushes subnormal float32 results (|x| < 2**-126): far below the
-1e-6 budget.
+Where the CPU has AMX-BF16 and Linux grants the tile state, a tile multiply adds C [16, 16] float32 += A [16, 32
+bfloat16] . B [16 pairs, 16, 2 bfloat16]: 1024 bfloat16 products per instruction against 32 for `vdpbf16ps`. Every
+product of two bfloat16 is exact in float32; the unit adds them into C in its own order (each pair in turn) and
+reads bfloat16 subnormals as zero, flushing subnormal float32 results (|x| < 2**-126, far below the 1e-6 budget).
+Every operand's rows start on a 64-byte boundary (`simd.zeros64`; the pools' pages do): an unaligned tile load
+measured ~6x slower on the Intel guest. Both GEMMs keep C in 2 x 2 tiles (4 of the 8 tile registers) and load each
+A / B tile once for all the parts of the other operand.
 
     HOST                          the compilation target has amx-tile and amx-bf16 (no AMX IR is emitted without)
     usable() -> bool              HOST, the OS granted the tile state (`arch_prctl`), $KVENGINE_AMX is not "0"
     tile_config() -> uint8 [64]   the tile configuration every call loads: 8 tiles of 16 rows x 64 bytes
-    (every tile operand's rows start on a 64-byte boundary: `simd.zeros64`)
-    pack_parts(QT, R, Rp, QA)     QT [D, >= Rp] float32 (a tile's queries, columns R.. zero) -> QA int16 [3 * D / 2,
-                                  2 * cols] (part p, pair k, column r, element e at [p * D / 2 + k, 2 r + e]);
-                                  returns how many parts are nonzero (1-3)
+    in_place(P, b0, g, nb)        whether keys b0 + g .. + 15 are read from the pages in place
     amx_scores(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg)
                                   ST[:nb rounded up to 32, :Rp] = the block's keys (in place where whole 16-key
-                                  groups lie in a page, else staged in Kt) . the parts' columns (Rp, D multiples of 32)
-    scores_reference(...)         its NumPy twin (the same products; float64 sums: a test oracle, not its bits)
+                                  groups lie in a page, else staged in Kt) . the parts' columns QA (Rp, D
+                                  multiples of 32; `amx_blocks.pack_parts` lays them out)
+    amx_pv(PA, parts, VB, O, Rs, nbp, Dv, cfg)
+                                  O[:Rs, :Dv] += sum over parts of PA[p, :Rs, :nbp] . VB's key pairs
 """
 import ctypes
 import os
 
 import numpy as np
 from numba import njit, types
-from numba.core import config as _nb_config
 
-from .bf16_dot import f2u as _f2u, high as _high, u2f as _u2f
-from .gemm import COLMAX, SCALE, transpose16
-from .pair_scores import page_piece
-from .simd import JIT, zeros64
+from kvcache.jit_target import target_has
+
+from .simd import JIT
 
 ENV = "KVENGINE_AMX"            # "0": never use the tiles (A/B measurements, tests of the other paths)
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
 SYS_ARCH_PRCTL = 158            # x86-64
 
-
-def _host_has_amx() -> bool:
-    """The compilation target has amx-tile and amx-bf16: the host's features, or NUMBA_CPU_FEATURES when set."""
-    if _nb_config.CPU_FEATURES is not None:
-        feats = _nb_config.CPU_FEATURES.split(",")
-        return "+amx-tile" in feats and "+amx-bf16" in feats
-    try:
-        from llvmlite import binding
-        f = binding.get_host_cpu_features()
-        return bool(f.get("amx-tile", False) and f.get("amx-bf16", False))
-    except Exception:           # noqa: BLE001  (no feature query: assume none)
-        return False
-
-
-HOST = JIT and _host_has_amx()
+HOST = JIT and target_has("amx-tile") and target_has("amx-bf16")
 _GRANTED = None
 
 
@@ -86,201 +68,15 @@ def tile_config():
     return cfg
 
 
-def pack_parts(QT, R, Rp, QA):
-    """QA[p * D / 2 + k, 2 r + e] = the bfloat16 bits of part p of QT[2k + e, r] (r < Rp; columns R.. of QT zero;
-    QA's columns from Rp zero); returns the number of nonzero parts (1-3). The parts by truncation: hi = the
-    high half, mid = the high half of x - hi, lo = x - hi - mid (exact)."""
-    D = QT.shape[0]
-    half = D // 2
-    bits = QT.view(np.uint32)
-    packed = QA.view(np.uint32)
-    hm = np.uint32(0xFFFF0000)
-    s16 = np.uint32(16)
-    m1 = np.uint32(0)
-    m2 = np.uint32(0)
-    for k in range(half):
-        x0 = QT[2 * k]
-        x1 = QT[2 * k + 1]
-        u0 = bits[2 * k]
-        u1 = bits[2 * k + 1]
-        d0 = packed[k]
-        d1 = packed[half + k]
-        d2 = packed[2 * half + k]
-        for r in range(Rp):
-            a0 = u0[r] & hm
-            a1 = u1[r] & hm
-            r0 = x0[r] - _u2f(a0)
-            r1 = x1[r] - _u2f(a1)
-            b0 = _f2u(r0)
-            b1 = _f2u(r1)
-            c0 = _f2u(r0 - _u2f(b0 & hm))
-            c1 = _f2u(r1 - _u2f(b1 & hm))
-            d0[r] = (a0 >> s16) | a1
-            d1[r] = (b0 >> s16) | (b1 & hm)
-            d2[r] = (c0 >> s16) | (c1 & hm)
-            m1 |= (b0 | b1) & np.uint32(0x7FFFFFFF)
-            m2 |= (c0 | c1) & np.uint32(0x7FFFFFFF)
-        for r in range(Rp, packed.shape[1]):
-            d0[r] = 0
-            d1[r] = 0
-            d2[r] = 0
-    return 3 if m2 else (2 if m1 else 1)
-
-
-def amx_block(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg):
-    """ST[:nb, :Rp] = the rows of kv head h at absolute positions b0.. (bfloat16 pages) . the tile's q parts QA, on
-    the tiles; then the score GEMM's epilogue (`gemm`'s SCALE: times sc; COLMAX: mx[r] = max(mx[r], ST[j, r] over
-    j < nb)). Rows of ST from nb to nb rounded up to 32: scores of zero keys or of slots past the block (never
-    read)."""
-    stage_keys(k_pages, pages, h, b0, nb, Kt)
-    amx_scores(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, -(-Rp // 32) * 32, cfg)
-    scale = (flags & SCALE) != 0
-    colmax = (flags & COLMAX) != 0
-    for j in range(nb):
-        row = ST[j]
-        if scale:
-            for r in range(Rp):
-                row[r] *= sc
-        if colmax:
-            for r in range(Rp):
-                mx[r] = max(mx[r], row[r])
-
-
 def in_place(P, b0, g, nb):
     """Whether the 16 keys b0 + g.. are read by the tiles in place: whole, inside one page, at a 16-row offset
     (rows on 64-byte boundaries: the pools' pages are)."""
     return P % 16 == 0 and b0 % 16 == 0 and g + 16 <= nb
 
 
-def stage_keys(k_pages, pages, h, b0, nb, Kt):
-    """Kt[g:g + 16] = the keys b0 + g.. of every 16-key group the tiles do not read in place (`in_place`), rows past
-    nb zero."""
-    P = k_pages.shape[2]
-    D = k_pages.shape[3]
-    for g in range(0, -(-nb // 32) * 32, 16):
-        if in_place(P, b0, g, nb):
-            continue
-        for j in range(g, g + 16):
-            dst = Kt[j]
-            if j < nb:
-                t = b0 + j
-                src = k_pages[pages[t // P], h, t % P]
-                for d in range(D):
-                    dst[d] = src[d]
-            else:
-                for d in range(D):
-                    dst[d] = 0
-
-
-def value_scratch(v_pages, O, block, rows, dot):
-    """The PV tiles' buffers for a tile of up to ``rows`` rows (a multiple of 32): PT float32 [rows, block + 32] (P
-    transposed), PA int16 [3, rows, block + 32] (its bfloat16 parts), VB uint32 [(block + 32) / 2, Dv] (value rows
-    in pairs); empty ones where the tiles do not take PV (dot != 2, pages not bfloat16, O not float32, Dv not a
-    multiple of 32)."""
-    Dv = v_pages.shape[3]
-    if dot == 2 and v_pages.dtype == np.int16 and O.dtype == np.float32 and Dv % 32 == 0:
-        n = block + 32
-        return (np.zeros((rows, n), np.float32), zeros64(3 * rows, n, np.zeros(0, np.int16)).reshape((3, rows, n)),
-                zeros64(n // 2, Dv, np.zeros(0, np.uint32)))
-    return np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32)
-
-
-def split_rows(PT, rows, n, PA):
-    """PA[p, r, j] = the bfloat16 bits of part p of PT[r, j] (r < rows, j < n; the split of `pack_parts`): three
-    parts, always (a weight is seldom a bfloat16; a zero part adds exact zeros)."""
-    hm = np.uint32(0xFFFF0000)
-    bits = PT.view(np.uint32)
-    for r in range(rows):
-        x = PT[r]
-        u = bits[r]
-        d0 = PA[0, r]
-        d1 = PA[1, r]
-        d2 = PA[2, r]
-        for j in range(n):
-            a = u[j] & hm
-            r1 = x[j] - _u2f(a)
-            b = _f2u(r1)
-            c = _f2u(r1 - _u2f(b & hm))
-            d0[j] = _high(a)
-            d1[j] = _high(b)
-            d2[j] = _high(c)
-    return 3
-
-
-def value_pairs(v_pages, pages, h, b0, nb, VB):
-    """VB[k, d] = value rows 2k (low half) and 2k + 1 (high half) of kv head h at absolute positions b0.. (bfloat16
-    bits), rows from nb to nb rounded up to 32 zero: the B operand of the PV tiles."""
-    P = v_pages.shape[2]
-    Dv = v_pages.shape[3]
-    lo = np.uint32(0xFFFF)
-    s16 = np.uint32(16)
-    j = 0
-    while j < nb:
-        row, s0, n = page_piece(pages, P, b0 + j, nb - j)
-        tile = v_pages[row, h]
-        for s in range(n):
-            jj = j + s
-            src = tile[s0 + s]
-            dst = VB[jj // 2]
-            if jj % 2 == 0:
-                for d in range(Dv):
-                    dst[d] = np.uint32(src[d]) & lo
-            else:
-                for d in range(Dv):
-                    dst[d] |= (np.uint32(src[d]) & lo) << s16
-        j += n
-    for k in range((nb + 1) // 2, -(-nb // 32) * 16):
-        dst = VB[k]
-        for d in range(Dv):
-            dst[d] = 0
-
-
-def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg):
-    """O[:Rp, :Dv] (times alpha[r] first where ``rescale``) += P . V on the tiles, P = ST[:nb, :Rp] (keys x rows,
-    the softmax's weights) split exactly into bfloat16 parts, V the block's bfloat16 rows. ST's rows nb.. are set
-    to zero; O has at least Rp rounded up to 32 rows."""
-    Dv = v_pages.shape[3]
-    nbp = -(-nb // 32) * 32
-    Rs = -(-Rp // 32) * 32
-    if rescale:
-        for r in range(Rp):
-            a = alpha[r]
-            row = O[r]
-            for d in range(Dv):
-                row[d] *= a
-    cols = ST.shape[1]
-    for j in range(nb, nbp):
-        row = ST[j]
-        for r in range(Rs):
-            row[r] = 0.0
-    flat = ST.reshape(-1)
-    off = np.empty(16, np.int64)
-    for j0 in range(0, nbp, 16):
-        for k in range(16):
-            off[k] = (j0 + k) * cols
-        for c0 in range(0, Rs, 16):
-            transpose16(flat, off, c0, PT, j0)
-    parts = split_rows(PT, Rs, nbp, PA)
-    value_pairs(v_pages, pages, h, b0, nb, VB)
-    amx_pv(PA, parts, VB, O, Rs, nbp, Dv, cfg)
-
-
 def amx_pv(PA, parts, VB, O, Rs, nbp, Dv, cfg):
     """O[:Rs, :Dv] += sum over parts of PA[p, :Rs, :nbp] . VB's pairs (C: O's 16 x 16 blocks)."""
     raise RuntimeError("amx_pv: this process cannot use AMX tiles (amx_tiles.usable() is False)")
-
-
-def scores_reference(Kt, QA, parts, nbp, Rp):
-    """ST[:nbp, :Rp] as `amx_scores` computes it (the same exact products; summed in float64): NumPy."""
-    D = Kt.shape[1]
-    half = D // 2
-    k = (Kt[:nbp].view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
-    out = np.zeros((nbp, Rp))
-    for p in range(parts):
-        pairs = QA[p * half:(p + 1) * half, :2 * Rp].view(np.uint16).astype(np.uint32) << np.uint32(16)
-        q = pairs.view(np.float32).reshape(half, Rp, 2).transpose(0, 2, 1).reshape(D, Rp).astype(np.float64)
-        out += k @ q
-    return out
 
 
 def amx_scores(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg):
@@ -298,7 +94,6 @@ if JIT:
     _I64 = _ir.IntType(64)
     _PTR = _I8.as_pointer()
     tile_config = njit(cache=True)(tile_config)
-    _pack_parts_jit = njit(cache=True)(pack_parts)      # no fastmath: x - hi must be the exact difference
 
     def _call(builder, name, argtys, args):
         fnty = _ir.FunctionType(_ir.VoidType(), argtys)
@@ -410,35 +205,6 @@ if JIT:
                 _tilestore(3, ST, (m0 + 16) * sc + n0 + 16, ss)
         _tilerelease()
 
-    if HOST:
-        _amx_scores_jit = njit(cache=True)(_amx_scores_body)
-
-        @overload(amx_scores, inline="always")
-        def _amx_scores_ov(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg):
-            return lambda k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg: _amx_scores_jit(
-                k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg)
-    else:
-        @overload(amx_scores, inline="always")
-        def _amx_scores_ov(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg):
-            def impl(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg):
-                raise RuntimeError("amx_scores: this build target has no AMX tiles")
-            return impl
-
-    @overload(pack_parts, inline="always")
-    def _pack_parts_ov(QT, R, Rp, QA):
-        if QT.dtype == types.float32 and QA.dtype == types.int16:
-            return lambda QT, R, Rp, QA: _pack_parts_jit(QT, R, Rp, QA)
-        return lambda QT, R, Rp, QA: 0
-
-    _amx_block_jit = njit(cache=True, fastmath={"nnan", "ninf", "nsz", "contract"})(amx_block) if HOST else None
-
-    @overload(amx_block, inline="always")
-    def _amx_block_ov(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg):
-        if HOST and k_pages.dtype == types.int16 and ST.dtype == types.float32:
-            return lambda k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg: _amx_block_jit(
-                k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg)
-        return lambda k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg: None
-
     def _amx_pv_body(PA, parts, VB, O, Rs, nbp, Dv, cfg):
         oc = O.shape[1]
         pc = PA.shape[2]
@@ -471,37 +237,28 @@ if JIT:
         _tilerelease()
 
     in_place = njit(inline="always")(in_place)
-    stage_keys = njit(cache=True)(stage_keys)
-    split_rows = njit(cache=True)(split_rows)          # no fastmath: x - hi must be the exact difference
-    value_pairs = njit(cache=True)(value_pairs)
 
     if HOST:
+        _amx_scores_jit = njit(cache=True)(_amx_scores_body)
         _amx_pv_jit = njit(cache=True)(_amx_pv_body)
+
+        @overload(amx_scores, inline="always")
+        def _amx_scores_ov(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg):
+            return lambda k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg: _amx_scores_jit(
+                k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg)
 
         @overload(amx_pv, inline="always")
         def _amx_pv_ov(PA, parts, VB, O, Rs, nbp, Dv, cfg):
             return lambda PA, parts, VB, O, Rs, nbp, Dv, cfg: _amx_pv_jit(PA, parts, VB, O, Rs, nbp, Dv, cfg)
-
-        _amx_values_jit = njit(cache=True, fastmath={"nnan", "ninf", "nsz", "contract"})(amx_values)
-
-    @overload(amx_values, inline="always")
-    def _amx_values_ov(v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg):
-        if HOST and v_pages.dtype == types.int16 and O.dtype == types.float32:
-            return lambda v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg: _amx_values_jit(
-                v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg)
-        return lambda v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg: None
-
-    @overload(value_scratch)
-    def _value_scratch_ov(v_pages, O, block, rows, dot):
-        if v_pages.dtype == types.int16 and O.dtype == types.float32:
-            def impl(v_pages, O, block, rows, dot):
-                Dv = v_pages.shape[3]
-                if dot == 2 and Dv % 32 == 0:
-                    n = block + 32
-                    return (np.zeros((rows, n), np.float32),
-                            zeros64(3 * rows, n, np.zeros(0, np.int16)).reshape((3, rows, n)),
-                            zeros64(n // 2, Dv, np.zeros(0, np.uint32)))
-                return np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32)
+    else:
+        @overload(amx_scores, inline="always")
+        def _amx_scores_ov(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg):
+            def impl(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg):
+                raise RuntimeError("amx_scores: this build target has no AMX tiles")
             return impl
-        return lambda v_pages, O, block, rows, dot: (np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16),
-                                                     np.zeros((0, 0), np.uint32))
+
+        @overload(amx_pv, inline="always")
+        def _amx_pv_ov(PA, parts, VB, O, Rs, nbp, Dv, cfg):
+            def impl(PA, parts, VB, O, Rs, nbp, Dv, cfg):
+                raise RuntimeError("amx_pv: this build target has no AMX tiles")
+            return impl

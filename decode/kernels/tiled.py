@@ -28,7 +28,8 @@ occupy consecutive slots in key order, their number in `item_parts`.
 import numpy as np
 from numba import njit, prange
 
-from .amx_tiles import amx_block, amx_values, pack_parts, tile_config, value_scratch
+from .amx_blocks import amx_block, amx_values, pack_parts, value_scratch
+from .amx_tiles import tile_config
 from .gemm import COLMAX, FRESH, MR, RESCALE, SCALE, gemm_strip, transpose16
 from .loaders import block_rows
 from .pair_scores import page_piece, pair_scratch, score_strip, tile_pairs
@@ -310,7 +311,9 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
     Dv..Dvp-1 zero), ST [>=block+3, >=Rp], O [>=Rp, Dvp], m / l / alpha / rpos / rlo / jlo / jhi [>=Rp]; neg: NEG in the compute dtype.
     k_scales / v_scales: the int8 pools' scales, None for float pools; st: the loader's float32 scratch. dot != 0:
     scores over bfloat16 pairs where the pages are bfloat16 and the tile's q exactly bfloat16 (`pair_scores`; QP /
-    Kp its scratch, `pair_scratch`)."""
+    Kp its scratch, `pair_scratch`); dot 2: both GEMMs on AMX tiles for bfloat16 pages, any float32 q (`amx_blocks`;
+    QP / Kp sized for it, cfg the tile configuration, PT / PA / VB the PV block's buffers, `value_scratch`; ST and
+    O then have whole tiles of 32 columns / rows, on 64-byte rows)."""
     Dvp = Vb.shape[1]
     L = 8 if O.itemsize == 8 else 16
     LK = 8 if QT.itemsize == 8 else 16    # lanes of the score GEMM (its accumulation dtype: QT's)

@@ -1,5 +1,5 @@
-"""The tiled kernel's scores on AMX tiles (`decode.kernels.amx_tiles`): the exact split of a float32 q into bfloat16
-parts (everywhere: the NumPy body and the JIT's), the tile GEMM against the float64 products of the same parts,
+"""The tiled kernel on AMX tiles (`decode.kernels.amx_tiles`, `amx_blocks`): the exact split of a float32 q into
+bfloat16 parts (everywhere: the NumPy body and the JIT's), the tile GEMM against the float64 products of the same parts,
 and prefill / extend runs over bfloat16 pages with a float32 q (three parts) and a bfloat16 q (one) within the
 float32 budget of the float64 oracle (`naive.budget`), at |q.k| ~ 10**3 too, serial / parallel / split, with the
 same bits on every call. The tile tests run where the CPU has AMX and the OS grants the tile state.
@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from decode.kernels import amx_tiles
+from decode.kernels import amx_blocks, amx_tiles
 from decode.kernels.simd import JIT
 
 _spec = importlib.util.spec_from_file_location("decode_kernel_naive_amx", Path(__file__).with_name("naive.py"))
 naive = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(naive)
-_spec2 = importlib.util.spec_from_file_location("decode_pair_cases_amx", Path(__file__).with_name("test_pair_scores.py"))
+_spec2 = importlib.util.spec_from_file_location("decode_pair_cases_amx",
+                                                Path(__file__).with_name("test_pair_scores.py"))
 pair_cases = importlib.util.module_from_spec(_spec2)
 _spec2.loader.exec_module(pair_cases)
 
@@ -46,10 +47,10 @@ def test_split_is_exact(scale, kind):
     QT[:, :R] = (rng.standard_normal((D, R)) * scale).astype(np.float32)
     if kind == "bfloat16":
         QT[:, :R] = naive.bf16_values(naive.bf16_bits(QT[:, :R]))
-    packs = [amx_tiles.pack_parts]
+    packs = [amx_blocks.pack_parts]
     if JIT:
         from numba import njit
-        packs.append(njit(lambda QT, R, Rp, QA: amx_tiles.pack_parts(QT, R, Rp, QA)))
+        packs.append(njit(lambda QT, R, Rp, QA: amx_blocks.pack_parts(QT, R, Rp, QA)))
     got = []
     for pack in packs:
         QA = np.full((3 * D // 2, 2 * 64), 7, np.int16)
@@ -79,14 +80,14 @@ def test_tile_gemm_against_products(D, nb, Rp, parts, P):
     keys = np.concatenate([pool[pg, 1] for pg in pages])[b0:b0 + nb]
     QT = (rng.standard_normal((D, Rp)) * 4).astype(np.float32)
     QA = zeros64(3 * D // 2, 2 * Rp, np.zeros(0, np.int16))
-    amx_tiles.pack_parts(QT, Rp, Rp, QA)
+    amx_blocks.pack_parts(QT, Rp, Rp, QA)
     Kt = zeros64(nb + 32, D, np.zeros(0, np.int16))
     ST = zeros64(nb + 32, Rp, np.zeros(0, np.float32))
     run = njit(lambda pool, pages, b0, nb, Kt, QA, parts, ST, Rp, cfg: (
-        amx_tiles.stage_keys(pool, pages, 1, b0, nb, Kt),
+        amx_blocks.stage_keys(pool, pages, 1, b0, nb, Kt),
         amx_tiles.amx_scores(pool, pages, 1, b0, nb, Kt, QA, parts, ST, Rp, cfg)))
     run(pool, pages, b0, nb, Kt, QA, parts, ST, Rp, amx_tiles.tile_config())
-    ref = amx_tiles.scores_reference(keys, QA, parts, nb, Rp)
+    ref = amx_blocks.scores_reference(keys, QA, parts, nb, Rp)
     kabs = np.abs(naive.bf16_values(keys.view(np.uint16))).astype(np.float64)
     bound = 3 * parts * D * 2.0 ** -24 * (kabs @ np.abs(_parts_values(QA, parts, D, Rp)).sum(axis=0))
     assert np.all(np.abs(ST[:nb] - ref) <= bound + 1e-30)

@@ -1,0 +1,262 @@
+"""The tiled kernel's block steps on AMX tiles (`amx_tiles`) for bfloat16 pages: a tile's q split into parts, the
+score block with the GEMM's epilogue, and the PV block with its operands prepared.
+
+A float32 q is split exactly into bfloat16 parts (hi + mid + lo, by truncation as in `bf16_dot`: every normal
+float32 is their exact sum); a bfloat16 q (a bfloat16 model's) has one. The softmax's weights P are split the same
+way (three parts, always), transposed to rows x keys; value rows are paired (two keys per 32-bit element, the B
+layout). So both products are of exact bfloat16 parts, every product exact in float32 and the only roundings
+float32 additions, as on the widened path, in the tile unit's order (head_dim, or the keys, in chunks of 32, each
+chunk's parts in turn): other bits than the other paths' (still deterministic: the same on every call and
+thread count).
+
+    pack_parts(QT, R, Rp, QA)     QT [D, >= Rp] float32 (a tile's queries, columns R.. zero) -> QA int16 [3 * D / 2,
+                                  2 * cols] (part p, pair k, column r, element e at [p * D / 2 + k, 2 r + e]);
+                                  returns how many parts are nonzero (1-3)
+    amx_block(...)                the score block: keys staged where not read in place, the tile GEMM, then `gemm`'s
+                                  SCALE / COLMAX epilogue
+    value_scratch(...)            the PV block's buffers (empty where the tiles do not take PV)
+    amx_values(...)               the PV block: O rescaled, P split and transposed, value rows paired, the tile GEMM
+    scores_reference(...)         the score GEMM's NumPy twin (the same products; float64 sums: a test oracle)
+"""
+import numpy as np
+from numba import njit, types
+
+from .amx_tiles import HOST, amx_pv, amx_scores, in_place
+from .bf16_dot import f2u as _f2u, high as _high, u2f as _u2f
+from .gemm import COLMAX, SCALE, transpose16
+from .pair_scores import page_piece
+from .simd import JIT, zeros64
+
+
+def pack_parts(QT, R, Rp, QA):
+    """QA[p * D / 2 + k, 2 r + e] = the bfloat16 bits of part p of QT[2k + e, r] (r < Rp; columns R.. of QT zero;
+    QA's columns from Rp zero); returns the number of nonzero parts (1-3). The parts by truncation: hi = the
+    high half, mid = the high half of x - hi, lo = x - hi - mid (exact)."""
+    D = QT.shape[0]
+    half = D // 2
+    bits = QT.view(np.uint32)
+    packed = QA.view(np.uint32)
+    hm = np.uint32(0xFFFF0000)
+    s16 = np.uint32(16)
+    m1 = np.uint32(0)
+    m2 = np.uint32(0)
+    for k in range(half):
+        x0 = QT[2 * k]
+        x1 = QT[2 * k + 1]
+        u0 = bits[2 * k]
+        u1 = bits[2 * k + 1]
+        d0 = packed[k]
+        d1 = packed[half + k]
+        d2 = packed[2 * half + k]
+        for r in range(Rp):
+            a0 = u0[r] & hm
+            a1 = u1[r] & hm
+            r0 = x0[r] - _u2f(a0)
+            r1 = x1[r] - _u2f(a1)
+            b0 = _f2u(r0)
+            b1 = _f2u(r1)
+            c0 = _f2u(r0 - _u2f(b0 & hm))
+            c1 = _f2u(r1 - _u2f(b1 & hm))
+            d0[r] = (a0 >> s16) | a1
+            d1[r] = (b0 >> s16) | (b1 & hm)
+            d2[r] = (c0 >> s16) | (c1 & hm)
+            m1 |= (b0 | b1) & np.uint32(0x7FFFFFFF)
+            m2 |= (c0 | c1) & np.uint32(0x7FFFFFFF)
+        for r in range(Rp, packed.shape[1]):
+            d0[r] = 0
+            d1[r] = 0
+            d2[r] = 0
+    return 3 if m2 else (2 if m1 else 1)
+
+
+def amx_block(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg):
+    """ST[:nb, :Rp] = the rows of kv head h at absolute positions b0.. (bfloat16 pages) . the tile's q parts QA, on
+    the tiles; then the score GEMM's epilogue (`gemm`'s SCALE: times sc; COLMAX: mx[r] = max(mx[r], ST[j, r] over
+    j < nb)). Rows of ST from nb to nb rounded up to 32: scores of zero keys or of slots past the block (never
+    read)."""
+    stage_keys(k_pages, pages, h, b0, nb, Kt)
+    amx_scores(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, -(-Rp // 32) * 32, cfg)
+    scale = (flags & SCALE) != 0
+    colmax = (flags & COLMAX) != 0
+    for j in range(nb):
+        row = ST[j]
+        if scale:
+            for r in range(Rp):
+                row[r] *= sc
+        if colmax:
+            for r in range(Rp):
+                mx[r] = max(mx[r], row[r])
+
+
+def stage_keys(k_pages, pages, h, b0, nb, Kt):
+    """Kt[g:g + 16] = the keys b0 + g.. of every 16-key group the tiles do not read in place (`in_place`), rows past
+    nb zero."""
+    P = k_pages.shape[2]
+    D = k_pages.shape[3]
+    for g in range(0, -(-nb // 32) * 32, 16):
+        if in_place(P, b0, g, nb):
+            continue
+        for j in range(g, g + 16):
+            dst = Kt[j]
+            if j < nb:
+                t = b0 + j
+                src = k_pages[pages[t // P], h, t % P]
+                for d in range(D):
+                    dst[d] = src[d]
+            else:
+                for d in range(D):
+                    dst[d] = 0
+
+
+def value_scratch(v_pages, O, block, rows, dot):
+    """The PV tiles' buffers for a tile of up to ``rows`` rows (a multiple of 32): PT float32 [rows, block + 32] (P
+    transposed), PA int16 [3, rows, block + 32] (its bfloat16 parts), VB uint32 [(block + 32) / 2, Dv] (value rows
+    in pairs); empty ones where the tiles do not take PV (dot != 2, pages not bfloat16, O not float32, Dv not a
+    multiple of 32)."""
+    Dv = v_pages.shape[3]
+    if dot == 2 and v_pages.dtype == np.int16 and O.dtype == np.float32 and Dv % 32 == 0:
+        n = block + 32
+        return (np.zeros((rows, n), np.float32), zeros64(3 * rows, n, np.zeros(0, np.int16)).reshape((3, rows, n)),
+                zeros64(n // 2, Dv, np.zeros(0, np.uint32)))
+    return np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32)
+
+
+def split_rows(PT, rows, n, PA):
+    """PA[p, r, j] = the bfloat16 bits of part p of PT[r, j] (r < rows, j < n; the split of `pack_parts`): three
+    parts, always (a weight is seldom a bfloat16; a zero part adds exact zeros)."""
+    hm = np.uint32(0xFFFF0000)
+    bits = PT.view(np.uint32)
+    for r in range(rows):
+        x = PT[r]
+        u = bits[r]
+        d0 = PA[0, r]
+        d1 = PA[1, r]
+        d2 = PA[2, r]
+        for j in range(n):
+            a = u[j] & hm
+            r1 = x[j] - _u2f(a)
+            b = _f2u(r1)
+            c = _f2u(r1 - _u2f(b & hm))
+            d0[j] = _high(a)
+            d1[j] = _high(b)
+            d2[j] = _high(c)
+    return 3
+
+
+def value_pairs(v_pages, pages, h, b0, nb, VB):
+    """VB[k, d] = value rows 2k (low half) and 2k + 1 (high half) of kv head h at absolute positions b0.. (bfloat16
+    bits), rows from nb to nb rounded up to 32 zero: the B operand of the PV tiles."""
+    P = v_pages.shape[2]
+    Dv = v_pages.shape[3]
+    lo = np.uint32(0xFFFF)
+    s16 = np.uint32(16)
+    j = 0
+    while j < nb:
+        row, s0, n = page_piece(pages, P, b0 + j, nb - j)
+        tile = v_pages[row, h]
+        for s in range(n):
+            jj = j + s
+            src = tile[s0 + s]
+            dst = VB[jj // 2]
+            if jj % 2 == 0:
+                for d in range(Dv):
+                    dst[d] = np.uint32(src[d]) & lo
+            else:
+                for d in range(Dv):
+                    dst[d] |= (np.uint32(src[d]) & lo) << s16
+        j += n
+    for k in range((nb + 1) // 2, -(-nb // 32) * 16):
+        dst = VB[k]
+        for d in range(Dv):
+            dst[d] = 0
+
+
+def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg):
+    """O[:Rp, :Dv] (times alpha[r] first where ``rescale``) += P . V on the tiles, P = ST[:nb, :Rp] (keys x rows,
+    the softmax's weights) split exactly into bfloat16 parts, V the block's bfloat16 rows. ST's rows nb.. are set
+    to zero; O has at least Rp rounded up to 32 rows."""
+    Dv = v_pages.shape[3]
+    nbp = -(-nb // 32) * 32
+    Rs = -(-Rp // 32) * 32
+    if rescale:
+        for r in range(Rp):
+            a = alpha[r]
+            row = O[r]
+            for d in range(Dv):
+                row[d] *= a
+    cols = ST.shape[1]
+    for j in range(nb, nbp):
+        row = ST[j]
+        for r in range(Rs):
+            row[r] = 0.0
+    flat = ST.reshape(-1)
+    off = np.empty(16, np.int64)
+    for j0 in range(0, nbp, 16):
+        for k in range(16):
+            off[k] = (j0 + k) * cols
+        for c0 in range(0, Rs, 16):
+            transpose16(flat, off, c0, PT, j0)
+    parts = split_rows(PT, Rs, nbp, PA)
+    value_pairs(v_pages, pages, h, b0, nb, VB)
+    amx_pv(PA, parts, VB, O, Rs, nbp, Dv, cfg)
+
+
+def scores_reference(Kt, QA, parts, nbp, Rp):
+    """ST[:nbp, :Rp] as `amx_scores` computes it (the same exact products; summed in float64): NumPy."""
+    D = Kt.shape[1]
+    half = D // 2
+    k = (Kt[:nbp].view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    out = np.zeros((nbp, Rp))
+    for p in range(parts):
+        pairs = QA[p * half:(p + 1) * half, :2 * Rp].view(np.uint16).astype(np.uint32) << np.uint32(16)
+        q = pairs.view(np.float32).reshape(half, Rp, 2).transpose(0, 2, 1).reshape(D, Rp).astype(np.float64)
+        out += k @ q
+    return out
+
+
+if JIT:
+    from numba.extending import overload
+
+    _pack_parts_jit = njit(cache=True)(pack_parts)      # no fastmath: x - hi must be the exact difference
+    stage_keys = njit(cache=True)(stage_keys)
+    split_rows = njit(cache=True)(split_rows)          # no fastmath: x - hi must be the exact difference
+    value_pairs = njit(cache=True)(value_pairs)
+
+    @overload(pack_parts, inline="always")
+    def _pack_parts_ov(QT, R, Rp, QA):
+        if QT.dtype == types.float32 and QA.dtype == types.int16:
+            return lambda QT, R, Rp, QA: _pack_parts_jit(QT, R, Rp, QA)
+        return lambda QT, R, Rp, QA: 0
+
+    _amx_block_jit = njit(cache=True, fastmath={"nnan", "ninf", "nsz", "contract"})(amx_block) if HOST else None
+
+    @overload(amx_block, inline="always")
+    def _amx_block_ov(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg):
+        if HOST and k_pages.dtype == types.int16 and ST.dtype == types.float32:
+            return lambda k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg: _amx_block_jit(
+                k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg)
+        return lambda k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg: None
+
+    _amx_values_jit = njit(cache=True, fastmath={"nnan", "ninf", "nsz", "contract"})(amx_values) if HOST else None
+
+    @overload(amx_values, inline="always")
+    def _amx_values_ov(v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg):
+        if HOST and v_pages.dtype == types.int16 and O.dtype == types.float32:
+            return lambda v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg: _amx_values_jit(
+                v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg)
+        return lambda v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg: None
+
+    @overload(value_scratch)
+    def _value_scratch_ov(v_pages, O, block, rows, dot):
+        if v_pages.dtype == types.int16 and O.dtype == types.float32:
+            def impl(v_pages, O, block, rows, dot):
+                Dv = v_pages.shape[3]
+                if dot == 2 and Dv % 32 == 0:
+                    n = block + 32
+                    return (np.zeros((rows, n), np.float32),
+                            zeros64(3 * rows, n, np.zeros(0, np.int16)).reshape((3, rows, n)),
+                            zeros64(n // 2, Dv, np.zeros(0, np.uint32)))
+                return np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32)
+            return impl
+        return lambda v_pages, O, block, rows, dot: (np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16),
+                                                     np.zeros((0, 0), np.uint32))
