@@ -159,6 +159,22 @@ if JIT:
             return context.get_dummy_value()
         return types.void(c, a, b), codegen
 
+    @njit(inline="always")
+    def _load_quad(C, off, cols, stride):
+        """C tiles 0-3 <- the 2 x 2 blocks of 16 x 16 at element offset off of C (cols per row)."""
+        _tileload(0, C, off, stride)
+        _tileload(1, C, off + 16, stride)
+        _tileload(2, C, off + 16 * cols, stride)
+        _tileload(3, C, off + 16 * cols + 16, stride)
+
+    @njit(inline="always")
+    def _store_quad(C, off, cols, stride):
+        """C tiles 0-3 -> the 2 x 2 blocks of `_load_quad`."""
+        _tilestore(0, C, off, stride)
+        _tilestore(1, C, off + 16, stride)
+        _tilestore(2, C, off + 16 * cols, stride)
+        _tilestore(3, C, off + 16 * cols + 16, stride)
+
     def _amx_scores_body(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg):
         H = k_pages.shape[1]
         P = k_pages.shape[2]
@@ -199,10 +215,7 @@ if JIT:
                         _tileload(7, QA, qrow + 2 * n0 + 32, qs)
                         _tdpbf16ps(1, 4, 7)
                         _tdpbf16ps(3, 5, 7)
-                _tilestore(0, ST, m0 * sc + n0, ss)
-                _tilestore(1, ST, m0 * sc + n0 + 16, ss)
-                _tilestore(2, ST, (m0 + 16) * sc + n0, ss)
-                _tilestore(3, ST, (m0 + 16) * sc + n0 + 16, ss)
+                _store_quad(ST, m0 * sc + n0, sc, ss)
         _tilerelease()
 
     def _amx_pv_body(PA, parts, VB, O, Rs, nbp, Dv, cfg):
@@ -216,10 +229,7 @@ if JIT:
         _ldtilecfg(cfg)
         for r0 in range(0, Rs, 32):
             for d0 in range(0, Dv, 32):
-                _tileload(0, O, r0 * oc + d0, o_rs)
-                _tileload(1, O, r0 * oc + d0 + 16, o_rs)
-                _tileload(2, O, (r0 + 16) * oc + d0, o_rs)
-                _tileload(3, O, (r0 + 16) * oc + d0 + 16, o_rs)
+                _load_quad(O, r0 * oc + d0, oc, o_rs)
                 for kb in range(0, nbp, 32):        # V's two tiles loaded once for every part
                     _tileload(6, VB, (kb // 2) * vc + d0, vb_rs)
                     _tileload(7, VB, (kb // 2) * vc + d0 + 16, vb_rs)
@@ -230,10 +240,7 @@ if JIT:
                         _tileload(5, PA, p * rpp + (r0 + 16) * pc + kb, pa_rs)
                         _tdpbf16ps(2, 5, 6)
                         _tdpbf16ps(3, 5, 7)
-                _tilestore(0, O, r0 * oc + d0, o_rs)
-                _tilestore(1, O, r0 * oc + d0 + 16, o_rs)
-                _tilestore(2, O, (r0 + 16) * oc + d0, o_rs)
-                _tilestore(3, O, (r0 + 16) * oc + d0 + 16, o_rs)
+                _store_quad(O, r0 * oc + d0, oc, o_rs)
         _tilerelease()
 
     in_place = njit(inline="always")(in_place)
