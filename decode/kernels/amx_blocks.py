@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, types
 
 from .amx_tiles import HOST, amx_pv, amx_scores, in_place
-from .bf16_dot import f2u as _f2u, high as _high, u2f as _u2f
+from .bf16_dot import high as _high, split3
 from .gemm import COLMAX, SCALE, transpose16
 from .pair_scores import page_piece
 from .simd import JIT, zeros64
@@ -30,8 +30,7 @@ from .simd import JIT, zeros64
 
 def pack_parts(QT, R, Rp, QA):
     """QA[p * D / 2 + k, 2 r + e] = the bfloat16 bits of part p of QT[2k + e, r] (r < Rp; columns R.. of QT zero;
-    QA's columns from Rp zero); returns the number of nonzero parts (1-3). The parts by truncation: hi = the
-    high half, mid = the high half of x - hi, lo = x - hi - mid (exact)."""
+    QA's columns from Rp zero); returns the number of nonzero parts (1-3). The parts: `bf16_dot.split3`."""
     D = QT.shape[0]
     half = D // 2
     bits = QT.view(np.uint32)
@@ -49,14 +48,8 @@ def pack_parts(QT, R, Rp, QA):
         d1 = packed[half + k]
         d2 = packed[2 * half + k]
         for r in range(Rp):
-            a0 = u0[r] & hm
-            a1 = u1[r] & hm
-            r0 = x0[r] - _u2f(a0)
-            r1 = x1[r] - _u2f(a1)
-            b0 = _f2u(r0)
-            b1 = _f2u(r1)
-            c0 = _f2u(r0 - _u2f(b0 & hm))
-            c1 = _f2u(r1 - _u2f(b1 & hm))
+            a0, b0, c0 = split3(x0[r], u0[r])
+            a1, b1, c1 = split3(x1[r], u1[r])
             d0[r] = (a0 >> s16) | a1
             d1[r] = (b0 >> s16) | (b1 & hm)
             d2[r] = (c0 >> s16) | (c1 & hm)
@@ -109,22 +102,22 @@ def stage_keys(k_pages, pages, h, b0, nb, Kt):
 
 
 def value_scratch(v_pages, O, block, rows, dot):
-    """The PV tiles' buffers for a tile of up to ``rows`` rows (a multiple of 32): PT float32 [rows, block + 32] (P
-    transposed), PA int16 [3, rows, block + 32] (its bfloat16 parts), VB uint32 [(block + 32) / 2, Dv] (value rows
-    in pairs); empty ones where the tiles do not take PV (dot != 2, pages not bfloat16, O not float32, Dv not a
+    """The PV tiles' buffers ``pv`` for a tile of up to ``rows`` rows (a multiple of 32): PT float32 [rows, block +
+    32] (P transposed), PA int16 [3, rows, block + 32] (its bfloat16 parts), VB uint32 [(block + 32) / 2, Dv] (value
+    rows in pairs), int64 [16] (the transposition's row offsets); the first three empty where the tiles do not take PV (dot != 2, pages not bfloat16, O not float32, Dv not a
     multiple of 32)."""
     Dv = v_pages.shape[3]
     if dot == 2 and v_pages.dtype == np.int16 and O.dtype == np.float32 and Dv % 32 == 0:
         n = block + 32
         return (np.zeros((rows, n), np.float32), zeros64(3 * rows, n, np.zeros(0, np.int16)).reshape((3, rows, n)),
-                zeros64(n // 2, Dv, np.zeros(0, np.uint32)))
-    return np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32)
+                zeros64(n // 2, Dv, np.zeros(0, np.uint32)), np.zeros(16, np.int64))
+    return (np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32),
+            np.zeros(16, np.int64))
 
 
 def split_rows(PT, rows, n, PA):
     """PA[p, r, j] = the bfloat16 bits of part p of PT[r, j] (r < rows, j < n; the split of `pack_parts`): three
     parts, always (a weight is seldom a bfloat16; a zero part adds exact zeros)."""
-    hm = np.uint32(0xFFFF0000)
     bits = PT.view(np.uint32)
     for r in range(rows):
         x = PT[r]
@@ -133,10 +126,7 @@ def split_rows(PT, rows, n, PA):
         d1 = PA[1, r]
         d2 = PA[2, r]
         for j in range(n):
-            a = u[j] & hm
-            r1 = x[j] - _u2f(a)
-            b = _f2u(r1)
-            c = _f2u(r1 - _u2f(b & hm))
+            a, b, c = split3(x[j], u[j])
             d0[j] = _high(a)
             d1[j] = _high(b)
             d2[j] = _high(c)
@@ -171,7 +161,7 @@ def value_pairs(v_pages, pages, h, b0, nb, VB):
             dst[d] = 0
 
 
-def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg):
+def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg):
     """O[:Rp, :Dv] (times alpha[r] first where ``rescale``) += P . V on the tiles, P = ST[:nb, :Rp] (keys x rows,
     the softmax's weights) split exactly into bfloat16 parts, V the block's bfloat16 rows. ST's rows nb.. are set
     to zero; O has at least Rp rounded up to 32 rows."""
@@ -189,8 +179,8 @@ def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha,
         row = ST[j]
         for r in range(Rs):
             row[r] = 0.0
+    PT, PA, VB, off = pv
     flat = ST.reshape(-1)
-    off = np.empty(16, np.int64)
     for j0 in range(0, nbp, 16):
         for k in range(16):
             off[k] = (j0 + k) * cols
@@ -240,11 +230,11 @@ if JIT:
     _amx_values_jit = njit(cache=True, fastmath={"nnan", "ninf", "nsz", "contract"})(amx_values) if HOST else None
 
     @overload(amx_values, inline="always")
-    def _amx_values_ov(v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg):
+    def _amx_values_ov(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg):
         if HOST and v_pages.dtype == types.int16 and O.dtype == types.float32:
-            return lambda v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg: _amx_values_jit(
-                v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg)
-        return lambda v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, rescale, alpha, cfg: None
+            return lambda v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg: _amx_values_jit(
+                v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg)
+        return lambda v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg: None
 
     @overload(value_scratch)
     def _value_scratch_ov(v_pages, O, block, rows, dot):
@@ -255,8 +245,9 @@ if JIT:
                     n = block + 32
                     return (np.zeros((rows, n), np.float32),
                             zeros64(3 * rows, n, np.zeros(0, np.int16)).reshape((3, rows, n)),
-                            zeros64(n // 2, Dv, np.zeros(0, np.uint32)))
-                return np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32)
+                            zeros64(n // 2, Dv, np.zeros(0, np.uint32)), np.zeros(16, np.int64))
+                return (np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32),
+                        np.zeros(16, np.int64))
             return impl
         return lambda v_pages, O, block, rows, dot: (np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16),
-                                                     np.zeros((0, 0), np.uint32))
+                                                     np.zeros((0, 0), np.uint32), np.zeros(16, np.int64))

@@ -98,16 +98,23 @@ def _split_body(qf, qu, qb, Dp):
     for r in range(R):
         x, u, dst = qf[r], qu[r], qb[r]
         for d in range(D):
-            hi = u[d] & np.uint32(0xFFFF0000)
-            r1 = x[d] - _u2f(hi)
-            u1 = _f2u(r1)
-            u2 = _f2u(r1 - _u2f(u1 & np.uint32(0xFFFF0000)))
+            _, u1, u2 = split3(x[d], u[d])
             dst[d] = _high(u[d])
             dst[Dp + d] = _high(u1)
             dst[2 * Dp + d] = _high(u2)
             m1 |= u1 & np.uint32(0x7FFFFFFF)
             m2 |= u2 & np.uint32(0x7FFFFFFF)
     return 3 if m2 else (2 if m1 else 1)
+
+
+def split3(x, u):
+    """The exact split of one float32 ``x`` (``u``: its bits) into bfloat16 parts by truncation: (hi, mid, lo) as
+    uint32 bits whose high halves are the parts (hi = x's high half, mid = that of x - hi, lo = x - hi - mid, whose
+    low half is zero: hi + mid + lo == x for every normal float32). No fastmath around it: x - hi must be exact."""
+    hi = u & np.uint32(0xFFFF0000)
+    r1 = x - _u2f(hi)
+    u1 = _f2u(r1)
+    return hi, u1, _f2u(r1 - _u2f(u1 & np.uint32(0xFFFF0000)))
 
 
 def _high(u):
@@ -197,10 +204,6 @@ def _u2f(u):
     return np.uint32(u).view(np.float32)
 
 
-f2u = _f2u          # public names of the bit casts (typed for the JIT below; `amx_tiles` splits with them)
-u2f = _u2f
-
-
 if JIT:
     from llvmlite import ir as _ir
 
@@ -230,6 +233,7 @@ if JIT:
         return lambda u: _u2f_ir(u)
 
     _high = njit(inline="always")(_high)
+    split3 = njit(inline="always")(split3)
     _split = njit(cache=True)(_split_body)          # no fastmath: q - hi must be the exact difference
     _exact = njit(cache=True)(_exact_body)
     _pairs = njit(cache=True)(_pairs_body)

@@ -303,7 +303,7 @@ def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg
 
 @njit(cache=True, fastmath=FAST)
 def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, nt, ka, kb, window, sc, block,
-                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot, QP, Kp, cfg, PT, PA, VB):
+                QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot, QP, Kp, cfg, pv):
     """Unnormalised attention of one tile (queries i0..i0+nt-1 at positions pos0.., kv head h) over the keys in
     [ka, kb) of the sequence with page row `pages` (sc: the score scale in the compute dtype). Leaves m[R], l[R],
     O[R, :Dv] (R = nt * G; rows padded to the vector width are zero queries). Scratch: QT [D, >=Rp] and Kb [>=block+3, D]
@@ -312,7 +312,7 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
     k_scales / v_scales: the int8 pools' scales, None for float pools; st: the loader's float32 scratch. dot != 0:
     scores over bfloat16 pairs where the pages are bfloat16 and the tile's q exactly bfloat16 (`pair_scores`; QP /
     Kp its scratch, `pair_scratch`); dot 2: both GEMMs on AMX tiles for bfloat16 pages, any float32 q (`amx_blocks`;
-    QP / Kp sized for it, cfg the tile configuration, PT / PA / VB the PV block's buffers, `value_scratch`; ST and
+    QP / Kp sized for it, cfg the tile configuration, pv the PV block's buffers, `value_scratch`; ST and
     O then have whole tiles of 32 columns / rows, on 64-byte rows)."""
     Dvp = Vb.shape[1]
     L = 8 if O.itemsize == 8 else 16
@@ -353,8 +353,8 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
             score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, alpha)
         _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg)
         _prefetch_block(v_pages, pages, h, b1, nxt)
-        if amx and PA.shape[0] > 0:
-            amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, PT, PA, VB, b0 > lo, alpha, cfg)
+        if amx and pv[1].shape[0] > 0:
+            amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, b0 > lo, alpha, cfg)
         else:
             value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L,
                         RESCALE if b0 > lo else 0, alpha)   # O is still zero after the first block: no rescale
@@ -400,7 +400,7 @@ def tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     like = np.zeros(0, dt)
     ST = zeros64(block + 32, Rs, like) if dot == 2 else np.empty((block + MR, Rmax), dt)
     O = zeros64(Rs, Dvp, like) if dot == 2 else np.empty((Rmax, Dvp), dt)
-    PT, PA, VB = value_scratch(v_pages, O, block, Rs, dot)
+    pv = value_scratch(v_pages, O, block, Rs, dot)
     m = np.empty(Rmax, dt)
     l = np.empty(Rmax, dt)
     alpha = np.empty(Rmax, dt)
@@ -422,7 +422,7 @@ def tiled_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, runs[run, 3] + t0, nt, units[u, 4],
                     units[u, 5], window, sc, block, QT, Kb, Vb, ST, O, m, l, alpha, rpos, rlo, jlo, jhi, neg, st, dot,
-                    QP, Kp, cfg, PT, PA, VB)
+                    QP, Kp, cfg, pv)
         if slot < 0:
             _store_tile(O, l, out, i0, nt, h, G)
         else:
