@@ -25,7 +25,7 @@ from .amx_tiles import HOST, amx_pv, amx_scores, in_place
 from .bf16_dot import high as _high, split3
 from .gemm import COLMAX, SCALE, transpose16
 from .pair_scores import page_piece
-from .simd import JIT, zeros64
+from .simd import FAST, JIT, zeros64
 
 
 def pack_parts(QT, R, Rp, QA):
@@ -106,8 +106,14 @@ def value_scratch(v_pages, O, block, rows, dot):
     32] (P transposed), PA int16 [3, rows, block + 32] (its bfloat16 parts), VB uint32 [(block + 32) / 2, Dv] (value
     rows in pairs), int64 [16] (the transposition's row offsets); the first three empty where the tiles do not take PV (dot != 2, pages not bfloat16, O not float32, Dv not a
     multiple of 32)."""
-    Dv = v_pages.shape[3]
-    if dot == 2 and v_pages.dtype == np.int16 and O.dtype == np.float32 and Dv % 32 == 0:
+    if v_pages.dtype == np.int16 and O.dtype == np.float32:
+        return _pv_buffers(v_pages.shape[3], block, rows, dot)
+    return _pv_buffers(0, 0, 0, 0)
+
+
+def _pv_buffers(Dv, block, rows, dot):
+    """`value_scratch`'s buffers (the PV tiles apply: dot 2, Dv a positive multiple of 32), else empty ones."""
+    if dot == 2 and Dv > 0 and Dv % 32 == 0:
         n = block + 32
         return (np.zeros((rows, n), np.float32), zeros64(3 * rows, n, np.zeros(0, np.int16)).reshape((3, rows, n)),
                 zeros64(n // 2, Dv, np.zeros(0, np.uint32)), np.zeros(16, np.int64))
@@ -211,6 +217,7 @@ if JIT:
     stage_keys = njit(cache=True)(stage_keys)
     split_rows = njit(cache=True)(split_rows)          # no fastmath: x - hi must be the exact difference
     value_pairs = njit(cache=True)(value_pairs)
+    _pv_buffers = njit(cache=True)(_pv_buffers)
 
     @overload(pack_parts, inline="always")
     def _pack_parts_ov(QT, R, Rp, QA):
@@ -218,7 +225,7 @@ if JIT:
             return lambda QT, R, Rp, QA: _pack_parts_jit(QT, R, Rp, QA)
         return lambda QT, R, Rp, QA: 0
 
-    _amx_block_jit = njit(cache=True, fastmath={"nnan", "ninf", "nsz", "contract"})(amx_block) if HOST else None
+    _amx_block_jit = njit(cache=True, fastmath=FAST)(amx_block) if HOST else None
 
     @overload(amx_block, inline="always")
     def _amx_block_ov(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg):
@@ -227,7 +234,7 @@ if JIT:
                 k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg)
         return lambda k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, flags, sc, mx, cfg: None
 
-    _amx_values_jit = njit(cache=True, fastmath={"nnan", "ninf", "nsz", "contract"})(amx_values) if HOST else None
+    _amx_values_jit = njit(cache=True, fastmath=FAST)(amx_values) if HOST else None
 
     @overload(amx_values, inline="always")
     def _amx_values_ov(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg):
@@ -239,15 +246,5 @@ if JIT:
     @overload(value_scratch)
     def _value_scratch_ov(v_pages, O, block, rows, dot):
         if v_pages.dtype == types.int16 and O.dtype == types.float32:
-            def impl(v_pages, O, block, rows, dot):
-                Dv = v_pages.shape[3]
-                if dot == 2 and Dv % 32 == 0:
-                    n = block + 32
-                    return (np.zeros((rows, n), np.float32),
-                            zeros64(3 * rows, n, np.zeros(0, np.int16)).reshape((3, rows, n)),
-                            zeros64(n // 2, Dv, np.zeros(0, np.uint32)), np.zeros(16, np.int64))
-                return (np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32),
-                        np.zeros(16, np.int64))
-            return impl
-        return lambda v_pages, O, block, rows, dot: (np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16),
-                                                     np.zeros((0, 0), np.uint32), np.zeros(16, np.int64))
+            return lambda v_pages, O, block, rows, dot: _pv_buffers(v_pages.shape[3], block, rows, dot)
+        return lambda v_pages, O, block, rows, dot: _pv_buffers(0, 0, 0, 0)

@@ -320,7 +320,7 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
     R = nt * G
     Rp = -(-R // L) * L
     _load_tile(q, i0, nt, h, G, QT, Rp)
-    amx = dot == 2 and QP.shape[0] > 0 and QP.shape[0] == 3 * (QT.shape[0] // 2)    # the tiles (`amx_tiles`)
+    amx = dot == 2 and QP.shape[0] == 3 * (QT.shape[0] // 2) > 0    # the tiles (`amx_blocks`: QP sized for them)
     parts = pack_parts(QT, R, Rp, QP) if amx else 0
     pairs = not amx and dot != 0 and tile_pairs(QT, R, Rp, QP)
     for r in range(Rp):
