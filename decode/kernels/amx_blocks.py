@@ -104,8 +104,8 @@ def stage_keys(k_pages, pages, h, b0, nb, Kt):
 def value_scratch(v_pages, O, block, rows, dot):
     """The PV tiles' buffers ``pv`` for a tile of up to ``rows`` rows (a multiple of 32): PT float32 [rows, block +
     32] (P transposed), PA int16 [3, rows, block + 32] (its bfloat16 parts), VB uint32 [(block + 32) / 2, Dv] (value
-    rows in pairs), int64 [16] (the transposition's row offsets); the first three empty where the tiles do not take PV (dot != 2, pages not bfloat16, O not float32, Dv not a
-    multiple of 32)."""
+    rows in pairs), int64 [16] (the transposition's row offsets); the first three empty where the tiles do not
+    take PV (dot != 2, pages not bfloat16, O not float32, Dv not a multiple of 32)."""
     if v_pages.dtype == np.int16 and O.dtype == np.float32:
         return _pv_buffers(v_pages.shape[3], block, rows, dot)
     return _pv_buffers(0, 0, 0, 0)
