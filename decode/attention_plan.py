@@ -27,7 +27,7 @@ import numpy as np
 
 from kvcache.jit_store import writable
 
-from .kernels import amx_tiles, bf16_dot
+from .kernels import amx_decode, amx_tiles, bf16_dot
 from .kernels.per_query import query_parallel, query_serial
 from .kernels.tiled import tiled_parallel, tiled_serial
 from .kernels.units import find_runs, plan_tiles, plan_units
@@ -209,7 +209,8 @@ class QueryPlan:
     or parallel (`query_parallel`), units [U, 4] = (query, lo, hi, slot) cut at absolute multiples of
     ``split`` tokens (`units.plan_units`; empty when no query is cut and the call is serial: one unit per query),
     bounds [chunks + 1], items [n_split, 3]. block: keys per online-softmax block; ahead: prefetch distance;
-    dot: the vdpbf16ps mode for bfloat16 pages (`bf16_dot.plan_mode`)."""
+    dot: the vdpbf16ps mode for bfloat16 pages (`bf16_dot.plan_mode`), with `amx_decode.FLAG` where the AMX tiles
+    run (`amx_tiles.usable`: bfloat16 pages of >= `amx_decode.MIN_GROUP` q heads per kv head take them)."""
 
     __slots__ = ("serial", "block", "ahead", "split", "units", "bounds", "items", "num_slots", "acc0", "dot")
 
@@ -218,7 +219,7 @@ class QueryPlan:
         self.block = block = page_size * max(1, BLOCK_TOKENS // page_size)
         self.ahead = PREFETCH_BYTES
         self.acc0 = acc0
-        self.dot = bf16_dot.plan_mode()
+        self.dot = bf16_dot.plan_mode() | (amx_decode.FLAG if amx_tiles.usable() else 0)
         width = num_q_heads * (head_dim + head_dim_v)
         split = split_tokens if split_tokens > 0 else SPLIT_TOKENS
         self.split = split = -(-split // block) * block

@@ -12,6 +12,7 @@ uint16 [num_pages, num_kv_heads, page_size, ceil(width / 32)] (int8); acc0: a ze
 import numpy as np
 from numba import njit, prange
 
+from .amx_decode import attend_query, decode_scratch, prepare_query
 from .bf16_dot import q_buffers, split_query
 from .blocks import load_heads, normalise, softmax_block, unit_range
 from .loaders import key_scratch, score_rows, tile_scales, value_rows
@@ -127,7 +128,8 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
                 scale, out, units, u0, u1, block, ahead, wm, wl, wacc, acc0, dot):
     """Process work units u0..u1-1 with one set of scratch buffers (the serial kernel, and the body of each
     parallel chunk). block: keys per online-softmax block (whole pages); ahead: prefetch distance in bytes;
-    dot: which queries take vdpbf16ps scores over bfloat16 pages (`bf16_dot` modes 0-2).
+    dot: which queries take vdpbf16ps scores over bfloat16 pages (`bf16_dot` modes 0-2, the low bits) and whether
+    the AMX tiles take them (`amx_decode.FLAG`: every query, where `decode_scratch` applies).
 
     units.shape[0] == 0: unit u is query u over its whole visible range. Otherwise unit u is the row units[u] =
     (query, lo, hi, slot): keys [lo, hi); slot < 0: the unit covers the whole range, normalise into out; else
@@ -140,6 +142,9 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     P = k_pages.shape[2]
     RC = 16
     qs = np.full((H, G, D), acc0)      # q.k accumulated in acc0's dtype
+    ax = decode_scratch(k_pages, v_pages, q, H, dot)    # the AMX tiles' buffers (empty: they do not apply)
+    amx = ax[0].shape[0] > 0
+    mode = dot % 8
     qb, qf = q_buffers(k_pages, qs)    # q as bfloat16 parts / float32 halves (empty unless bfloat16 pages and
                                        # float32 q.k)
     S = np.empty((H, G, block), q.dtype)
@@ -159,10 +164,15 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
         s = query_seq[i]
         pages = page_indices[page_indptr[s]:page_indptr[s + 1]]
         if i != prev:                  # the pieces of one query are consecutive units: prepared once
-            load_heads(q[i], qs)
-            parts = split_query(q[i], qb, qf, dot)
+            if amx:
+                parts = prepare_query(q[i], ax)
+            else:
+                load_heads(q[i], qs)
+                parts = split_query(q[i], qb, qf, mode)
             prev = i
-        if w < 0:
+        if amx:
+            attend_query(k_pages, v_pages, pages, lo, hi, scale_c, parts, ax, out[i], w, wm, wl, wacc)
+        elif w < 0:
             attend_pages(qs, qb, qf, parts, k_pages, v_pages, k_scales, v_scales, pages, lo, hi, scale_c, block, ahead,
                          S, m, l, acc, st, kt, vt)
             for h in range(H):

@@ -1,0 +1,387 @@
+"""The per-query (decode) kernel's walk on AMX tiles for bfloat16 pages (`amx_tiles`; Intel CPUs with AMX-BF16).
+
+A decode query has G q heads per kv head: far fewer rows than a tile's 16, so the parts of the exact bfloat16 split
+(`bf16_dot.split3`) are laid side by side instead of one after another along head_dim: the query's columns are
+(part, head) = p * G + g (3 G columns for a float32 q, G for a bfloat16 one), the softmax's weights the rows p * G +
+g of the PV operand. Each tile product is then of exact bfloat16 numbers (exact in float32), and a score, or an
+output element, is the float32 sum of its parts' sums: per kv head and block of keys
+
+    ST [nb, cols]      =  K_block . QA          (`amx_tiles.amx_scores`; K in place where whole 16-key groups lie
+                                                  in a page, else staged)
+    S [G, nb]          =  sum over parts of ST^T  (16 x 16 register transposes, `gemm.transpose16`)
+    online softmax     on S (unscaled running max m, sum l; O's rows of head g rescaled with it)
+    PA [3 G, nb]       <- S split into three exact parts, rows p * G + g
+    O [3 G, Dv]        += PA . V_block's key pairs (`amx_tiles.amx_pv`)
+
+and the output row of head g is (O[g] + O[G + g] + O[2 G + g]) / l[g]. Against the per-query kernel's widening
+path the tile products replace 2 x head_dim FMA lanes per key and q head: 3 to 12 times fewer instructions for
+groups of 4 to 32 q heads. The only roundings are float32 additions (the accuracy rule's budget holds: `tests/
+decode/test_amx_decode.py`); the bits differ from the other paths' (and are the same on every call and thread
+count: the blocks are cut at absolute multiples of BLOCK, as the units are).
+
+    FLAG                         the bit the plan sets in the per-query kernel's ``dot`` where the tiles run
+    MIN_GROUP                    q heads per kv head from which the tiles take a query (measured)
+    decode_scratch(k_pages, v_pages, q, H, dot)  the buffers, empty where the tiles do not apply
+    prepare_query(qi, buf)       pack a query's columns for every kv head; returns its parts (1 or 3)
+    attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc)
+                                 one unit (a query over keys [lo, hi)): every kv head, into out_i (w < 0) or the
+                                 partial slot w (wacc in the pair order the merge expects)
+"""
+import numpy as np
+from numba import njit, types
+
+from .amx_blocks import stage_keys
+from .amx_tiles import HOST, amx_pv, amx_scores, tile_config
+from .bf16_dot import high as _high, split3
+from .gemm import transpose16
+from .register_blocks import pair_dim
+from .simd import EXP_FLAGS, FAST, JIT, borrow, exp, exp_inline, zeros64
+
+FLAG = 8            # `dot`'s bit for the tiles; its low bits stay the `bf16_dot` mode of the other paths
+MIN_GROUP = 16      # q heads per kv head from which the tiles are faster (measured: docs/kernel.md, "AMX tiles")
+BLOCK = 128         # keys per block (a multiple of 32), cut at absolute multiples
+
+
+def _cols(n):
+    """n rounded up to whole tiles of 32 (the 2 x 2 C tiles)."""
+    return -(-n // 32) * 32
+
+
+def _cols16(n):
+    """n rounded up to a multiple of 16 (the 16 x 16 transposes)."""
+    return -(-n // 16) * 16
+
+
+def _buffers(H, D, Dv, G, use):
+    """(QA [H, D / 2, 2 R], Kt, ST [BLOCK, R + 16], W [BLOCK, G16], S [G16, BLOCK], PA [2, R, BLOCK], VB [2, BLOCK /
+    2, Dv], O [H, R, Dv], m [H, G], l [H, G], off, cfg, red [3, G16]) for H kv heads of G q heads (R = 3 G rounded
+    up to 32, G16 = G rounded up to 16; ST's 16 more columns: `block_softmax` reads whole vectors of heads; PA /
+    VB: two of each, `attend_query` alternates them); empty unless ``use``."""
+    if not use:
+        H = 0
+        G = 0
+        D = 0
+        Dv = 0
+    R = _cols(3 * G)
+    nb = BLOCK if use else 0
+    return (zeros64(H * D // 2, 2 * R, np.zeros(0, np.int16)).reshape((H, D // 2, 2 * R)),
+            zeros64(nb, D, np.zeros(0, np.int16)), zeros64(nb, R + 16, np.zeros(0, np.float32)),
+            np.zeros((nb, _cols16(G)), np.float32), np.zeros((_cols16(G), nb), np.float32),
+            zeros64(2 * R, nb, np.zeros(0, np.int16)).reshape((2, R, nb)),
+            zeros64(nb, Dv, np.zeros(0, np.uint32)).reshape((2, nb // 2, Dv)),
+            zeros64(H * R, Dv, np.zeros(0, np.float32)).reshape((H, R, Dv)), np.zeros((H, G), np.float32),
+            np.zeros((H, G), np.float32), np.zeros(16, np.int64), tile_config(), np.zeros((3, _cols16(G)), np.float32))
+
+
+def decode_scratch(k_pages, v_pages, q, H, dot):
+    """The tiles' buffers for queries q [N, H * G, D] over bfloat16 pages (int16 bits), float32 q.k: ``dot`` has
+    FLAG, G >= MIN_GROUP, D and Dv multiples of 32; else empty ones (the first's shape[0] == 0)."""
+    D = q.shape[2]
+    Dv = v_pages.shape[3]
+    G = q.shape[1] // H
+    return _buffers(H, D, Dv, G, (dot & FLAG) != 0 and G >= MIN_GROUP and D % 32 == 0 and Dv % 32 == 0)
+
+
+def prepare_query(qi, buf):
+    """Pack one query qi [H * G, D] float32 for every kv head (`pack_columns` into buf's QA); returns its parts:
+    1 where every element is a bfloat16 (a bfloat16 model's q), else 3."""
+    QA = buf[0]
+    H = QA.shape[0]
+    G = qi.shape[0] // H
+    bits = qi.view(np.uint32)
+    low = np.uint32(0)
+    for r in range(bits.shape[0]):
+        row = bits[r]
+        for d in range(bits.shape[1]):
+            low |= row[d] & np.uint32(0xFFFF)
+    npq = 1 if low == 0 else 3
+    for h in range(H):
+        pack_columns(qi, h, G, npq, QA[h], _cols(npq * G))
+    return npq
+
+
+def pack_columns(qi, h, G, npq, QA, R):
+    """QA's uint32 view [D / 2, >= R]: column p * G + g holds part p (< npq) of q head h * G + g, elements 2k (low
+    half) and 2k + 1 (high half) in row k; columns npq * G .. R zero. The split: `bf16_dot.split3` (exact)."""
+    packed = QA.view(np.uint32)
+    hm = np.uint32(0xFFFF0000)
+    s16 = np.uint32(16)
+    half = packed.shape[0]
+    for g in range(G):
+        x = qi[h * G + g]
+        u = x.view(np.uint32)
+        for k in range(half):
+            a0, b0, c0 = split3(x[2 * k], u[2 * k])
+            a1, b1, c1 = split3(x[2 * k + 1], u[2 * k + 1])
+            row = packed[k]
+            row[g] = (a0 >> s16) | a1
+            if npq == 3:
+                row[G + g] = (b0 >> s16) | (b1 & hm)
+                row[2 * G + g] = (c0 >> s16) | (c1 & hm)
+    for k in range(half):
+        row = packed[k]
+        for c in range(npq * G, R):
+            row[c] = 0
+
+
+def split_weights(S, G, n, PA):
+    """PA[p * G + g, j] = the bfloat16 bits of part p of S[g, j] (j < n; three parts, `bf16_dot.split3`)."""
+    bits = S.view(np.uint32)
+    for g in range(G):
+        x = S[g]
+        u = bits[g]
+        d0 = PA[g]
+        d1 = PA[G + g]
+        d2 = PA[2 * G + g]
+        for j in range(n):
+            a, b, c = split3(x[j], u[j])
+            d0[j] = _high(a)
+            d1[j] = _high(b)
+            d2[j] = _high(c)
+
+
+def pair32(a, b, dst, d0):
+    """dst[d0 + i] = a[d0 + i] (low half) | b[d0 + i] (high half) for i < 32 (bfloat16 bits of two value rows; dst
+    uint32). In IR: two 32 x 16-bit loads, two interleaving shuffles, two stores (numba's own loop over the rows
+    vectorised only where it was inlined with a constant block length: 3x slower otherwise, measured)."""
+    for i in range(d0, d0 + 32):
+        dst[i] = np.uint32(np.uint16(a[i])) | (np.uint32(np.uint16(b[i])) << np.uint32(16))
+
+
+def pair_values(v_pages, pages, h, b0, nb, VB):
+    """VB[k, d] = value rows 2k (low half) and 2k + 1 (high half) of kv head h at absolute positions b0.. (bfloat16
+    bits; rows from nb to nb rounded up to 32 zero; Dv a multiple of 32): the B operand of the PV tiles
+    (`amx_blocks.value_pairs`'s result, by `pair32`). The rows are followed page by page (no division per row:
+    two integer divisions per row took 2.5 µs of a 128-key block's 2.9)."""
+    P = v_pages.shape[2]
+    Dv = v_pages.shape[3]
+    j = b0 // P                 # the page (index into `pages`) and slot of the next row
+    s = b0 - j * P
+    for k in range(_cols(nb) // 2):
+        dst = VB[k]
+        left = nb - 2 * k
+        if left >= 2:
+            a = v_pages[pages[j], h, s]
+            s += 1
+            if s == P:
+                j += 1
+                s = 0
+            b = v_pages[pages[j], h, s]
+            s += 1
+            if s == P:
+                j += 1
+                s = 0
+            for d0 in range(0, Dv, 32):
+                pair32(a, b, dst, d0)
+        elif left == 1:
+            a = v_pages[pages[j], h, s]
+            for d in range(Dv):
+                dst[d] = np.uint32(np.uint16(a[d]))
+        else:
+            for d in range(Dv):
+                dst[d] = 0
+
+
+def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
+    """The scores of a block, ST [nb, npq G columns] (part p of head g in column p G + g), summed over the parts
+    into W [nb, G16] (keys x heads, G16 = G rounded up to 16: the loops run over whole vectors of heads; the
+    columns past G are scratch), the online-softmax update (`blocks.softmax_block`'s: unscaled running max m, sums
+    l, O's rows p G + g rescaled when head g's max grew), W <- exp((W - m) * scale), then W^T into S [G16, nbp]
+    (16 x 16 transposes; keys nb..nbp zero)."""
+    GP = W.shape[1]
+    mb = red[0]
+    ls = red[1]
+    mr = red[2]
+    Dv = O.shape[1]
+    for j in range(nb):
+        st = ST[j]
+        w = W[j]
+        if npq == 3:
+            for g in range(GP):
+                w[g] = st[g] + st[G + g] + st[2 * G + g]
+        else:
+            for g in range(GP):
+                w[g] = st[g]
+        if j == 0:
+            for g in range(GP):
+                mb[g] = w[g]
+        else:
+            for g in range(GP):
+                mb[g] = max(mb[g], w[g])
+    for g in range(G):
+        if first:
+            m[g] = mb[g]
+            l[g] = 0.0
+        elif mb[g] > m[g]:
+            alpha = exp((m[g] - mb[g]) * scale)
+            for p in range(3):
+                row = O[p * G + g]
+                for d in range(Dv):
+                    row[d] *= alpha
+            l[g] *= alpha
+            m[g] = mb[g]
+        mr[g] = m[g]
+    for g in range(G, GP):
+        mr[g] = mb[g]
+    for g in range(GP):
+        ls[g] = 0.0
+    for j in range(nb):
+        w = W[j]
+        for g in range(GP):
+            e = exp_inline((w[g] - mr[g]) * scale)
+            w[g] = e
+            ls[g] += e
+    for j in range(nb, nbp):
+        w = W[j]
+        for g in range(GP):
+            w[g] = 0.0
+    for g in range(G):
+        l[g] += ls[g]
+    flat = W.reshape(-1)
+    for j0 in range(0, nbp, 16):
+        for k in range(16):
+            off[k] = (j0 + k) * GP
+        for c0 in range(0, GP, 16):
+            transpose16(flat, off, c0, S, j0)
+
+
+def store_head(O, l, m, G, h, out_i, w, wm, wl, wacc):
+    """Head group h's result: out_i[h * G + g] = (O[g] + O[G + g] + O[2 G + g]) / l[g] (w < 0), or the partial
+    (m, l, the sum) at slot w, its lanes in the pair order (`register_blocks.in_pairs`: the merge unpairs)."""
+    Dv = O.shape[1]
+    for g in range(G):
+        a = O[g]
+        b = O[G + g]
+        c = O[2 * G + g]
+        if w < 0:
+            inv = 1.0 / l[g]
+            dst = out_i[h * G + g]
+            for d in range(Dv):
+                dst[d] = (a[d] + b[d] + c[d]) * inv
+        else:
+            wm[w, h, g] = m[g]
+            wl[w, h, g] = l[g]
+            dst = wacc[w, h, g]
+            for k in range(Dv):
+                d = pair_dim(k)
+                dst[k] = a[d] + b[d] + c[d]
+
+
+def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc):
+    """Attention of one query (packed by `prepare_query`, npq its parts) over the keys [lo, hi) of its sequence
+    (`pages`: its page row): blocks of BLOCK keys (cut at absolute multiples), each over every kv head in turn (the
+    walk reads a page's heads one after another), on the tiles; then `store_head` per head. buf: `decode_scratch`'s
+    buffers.
+
+    Software-pipelined by one step: a (block, head)'s PV operands (PA, VB: one of two buffers each) are written
+    after its softmax, and multiplied after the next step's scores. A tile load of lines whose stores are still
+    in flight stalls (measured: value pairs then their PV, one thread, 0.94 + 0.79 µs a block alone, 2.43
+    together); a step's PV runs before the next softmax, which may rescale the same head's O."""
+    QA, Kt, ST, W, S, PA, VB, O, m, l, off, cfg, red = buf
+    QA, Kt, ST, W, S, PA, VB, O, m, l, off, cfg, red = (borrow(QA), borrow(Kt), borrow(ST), borrow(W), borrow(S),
+                                                        borrow(PA), borrow(VB), borrow(O), borrow(m), borrow(l),
+                                                        borrow(off), borrow(cfg), borrow(red))
+    k_pages, v_pages, pages = borrow(k_pages), borrow(v_pages), borrow(pages)
+    H = k_pages.shape[1]
+    G = m.shape[1]
+    Dv = v_pages.shape[3]
+    R = _cols(npq * G)
+    Rs = O.shape[1]
+    ph = -1                     # the pending PV: head, buffer, keys (rounded up to 32)
+    pb = 0
+    pn = 0
+    b0 = lo
+    while b0 < hi:
+        b1 = min(hi, (b0 // BLOCK + 1) * BLOCK)
+        nb = b1 - b0
+        nbp = _cols(nb)
+        for h in range(H):
+            Oh = O[h]
+            stage_keys(k_pages, pages, h, b0, nb, Kt)
+            amx_scores(k_pages, pages, h, b0, nb, Kt, QA[h], 1, ST, R, cfg)
+            if ph >= 0:
+                amx_pv(PA[pb:pb + 1], 1, VB[pb], O[ph], Rs, pn, Dv, cfg)
+            if b0 == lo:
+                for r in range(Rs):
+                    row = Oh[r]
+                    for d in range(Dv):
+                        row[d] = 0.0
+            block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m[h], l[h], Oh, b0 == lo, scale)
+            pb = 1 - pb
+            split_weights(S, G, nbp, PA[pb])
+            pair_values(v_pages, pages, h, b0, nb, VB[pb])
+            ph = h
+            pn = nbp
+        b0 = b1
+    amx_pv(PA[pb:pb + 1], 1, VB[pb], O[ph], Rs, pn, Dv, cfg)
+    for h in range(H):
+        store_head(O[h], l[h], m[h], G, h, out_i, w, wm, wl, wacc)
+
+
+if JIT:
+    from llvmlite import ir as _ir
+    from numba.extending import intrinsic, overload
+
+    @intrinsic
+    def _pair32_ir(typingctx, a, b, dst, d0):
+        if not (isinstance(a, types.Array) and a.dtype == types.int16 and b == a and isinstance(dst, types.Array)
+                and dst.dtype == types.uint32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i16x32 = _ir.VectorType(_ir.IntType(16), 32)
+            o = context.cast(builder, args[3], sig.args[3], types.int64)
+            rows = []
+            for k in (0, 1):
+                base = context.make_array(sig.args[k])(context, builder, args[k]).data
+                rows.append(builder.load(builder.bitcast(builder.gep(base, [o]), i16x32.as_pointer()), align=2))
+            out = context.make_array(sig.args[2])(context, builder, args[2]).data
+            for half in (0, 1):
+                mask = [x for i in range(16) for x in (16 * half + i, 32 + 16 * half + i)]
+                v = builder.shuffle_vector(rows[0], rows[1], _ir.Constant(_ir.VectorType(_ir.IntType(32), 32), mask))
+                ptr = builder.gep(out, [builder.add(o, _ir.Constant(_ir.IntType(64), 16 * half))])
+                builder.store(v, builder.bitcast(ptr, i16x32.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(a, b, dst, d0), codegen
+
+    @overload(pair32, inline="always")
+    def _pair32_ov(a, b, dst, d0):
+        return lambda a, b, dst, d0: _pair32_ir(a, b, dst, d0)
+
+    _cols = njit(inline="always")(_cols)
+    _cols16 = njit(inline="always")(_cols16)
+    _buffers = njit(cache=True)(_buffers)
+    pair_values = njit(cache=True)(pair_values)
+    pack_columns = njit(cache=True)(pack_columns)        # no fastmath: x - hi must be the exact difference
+    split_weights = njit(cache=True)(split_weights)      # no fastmath: as above
+    block_softmax = njit(cache=True, fastmath=EXP_FLAGS)(block_softmax)
+    store_head = njit(cache=True, fastmath=FAST)(store_head)
+    _attend_jit = njit(cache=True, fastmath=FAST)(attend_query) if HOST else None
+
+    def _bf16_f32(k_pages, q):
+        return isinstance(k_pages, types.Array) and k_pages.dtype == types.int16 and q.dtype == types.float32
+
+    @overload(decode_scratch)
+    def _decode_scratch_ov(k_pages, v_pages, q, H, dot):
+        if HOST and _bf16_f32(k_pages, q):
+            def impl(k_pages, v_pages, q, H, dot):
+                G = q.shape[1] // H
+                return _buffers(H, q.shape[2], v_pages.shape[3], G, (dot & FLAG) != 0 and G >= MIN_GROUP
+                                and q.shape[2] % 32 == 0 and v_pages.shape[3] % 32 == 0)
+            return impl
+        return lambda k_pages, v_pages, q, H, dot: _buffers(0, 0, 0, 0, False)
+
+    @overload(attend_query, inline="always")
+    def _attend_query_ov(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc):
+        if HOST and _bf16_f32(k_pages, out_i):
+            return lambda k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc: _attend_jit(
+                k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc)
+        return lambda k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc: None
+
+    _prepare_jit = njit(cache=True)(prepare_query)      # no fastmath: the split
+
+    @overload(prepare_query, inline="always")
+    def _prepare_query_ov(qi, buf):
+        if qi.dtype == types.float32 and buf[0].dtype == types.int16:
+            return lambda qi, buf: _prepare_jit(qi, buf)
+        return lambda qi, buf: 0

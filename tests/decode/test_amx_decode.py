@@ -1,0 +1,174 @@
+"""The per-query (decode) kernel on AMX tiles (`decode.kernels.amx_decode`): the query's exact bfloat16 parts laid
+out as columns, the value rows paired by the IR interleave (the same bits as `amx_blocks.value_pairs`), and
+decode queries over bfloat16 pages with >= MIN_GROUP q heads per kv head within the float32 budget of the float64
+oracle (`naive.budget`): head_dim 32 / 64 / 128, pages of 1 / 16 / 32 / 64 keys, windows, float32 and bfloat16
+q, serial / parallel / split into partials (their lanes in the pair order the merge expects), |q.k| ~ 10**3, the
+same bits on a second call; below MIN_GROUP, and with $KVENGINE_AMX=0, the other paths (other bits). The tile
+tests run where the CPU has AMX and the OS grants the tile state.
+
+Marked `kernel` (rerun under NUMBA_DISABLE_JIT=1 and NUMBA_BOUNDSCHECK=1 with --reduced-grid)."""
+import importlib.util
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from decode.attention_plan import attend_unchecked
+from decode.kernels import amx_blocks, amx_decode, amx_tiles
+from decode.kernels.simd import JIT, zeros64
+
+_spec = importlib.util.spec_from_file_location("decode_kernel_naive_amx_decode", Path(__file__).with_name("naive.py"))
+naive = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(naive)
+
+pytestmark = pytest.mark.kernel
+TILES = pytest.mark.skipif(not amx_tiles.usable(), reason="AMX tiles: the CPU lacks them or the OS refused")
+MODES = ((1, 0), (2, 0), (2, 40))      # serial, parallel, parallel with key ranges cut every 40 tokens (partials)
+NAN_BITS = 0x7FC0
+
+
+class Scene:
+    """Sequences of ``lengths`` tokens in bfloat16 pages in random physical order (unread slots NaN); one decode
+    query per sequence at its last position (and one more, a few tokens earlier, in the first), H kv heads of
+    ``group`` q heads; q float32 (or exactly bfloat16), times ``q_scale``; K times ``k_scale``."""
+
+    def __init__(self, rng, *, D, group, P, lengths, window=0, H=2, bf16_q=False, q_scale=1.0, k_scale=1.0):
+        npp = [-(-L // P) for L in lengths]
+        num_pages = sum(npp) + 2
+        self.page_indices = rng.permutation(num_pages)[:sum(npp)].astype(np.int32)
+        self.page_indptr = np.concatenate([[0], np.cumsum(npp)]).astype(np.int64)
+        self.kb = np.full((num_pages, H, P, D), NAN_BITS, np.uint16)
+        self.vb = np.full((num_pages, H, P, D), NAN_BITS, np.uint16)
+        for s, L in enumerate(lengths):
+            row = self.page_indices[self.page_indptr[s]:self.page_indptr[s + 1]]
+            for t in range(L):
+                self.kb[row[t // P], :, t % P] = naive.bf16_bits(rng.standard_normal((H, D)) * k_scale)
+                self.vb[row[t // P], :, t % P] = naive.bf16_bits(rng.standard_normal((H, D)))
+        seq = list(range(len(lengths))) + [0]
+        pos = [L - 1 for L in lengths] + [max(0, lengths[0] - 4)]
+        self.query_seq, self.query_pos = np.array(seq, np.int32), np.array(pos, np.int64)
+        q = (rng.standard_normal((len(seq), H * group, D)) * q_scale).astype(np.float32)
+        self.q = naive.bf16_values(naive.bf16_bits(q)).astype(np.float32) if bf16_q else q
+        self.scale, self.window = 1.0 / math.sqrt(D), window
+
+    def run(self, mode=0, split_tokens=0):
+        out = np.full((len(self.q), self.q.shape[1], self.vb.shape[3]), np.nan, np.float32)
+        return attend_unchecked(self.q, self.kb, self.vb, self.page_indices, self.page_indptr, self.query_seq,
+                                self.query_pos, self.scale, self.window, out, storage="bfloat16", mode=mode,
+                                split_tokens=split_tokens, tiled=False)
+
+    def check(self, out):
+        args = (self.q, naive.bf16_values(self.kb), naive.bf16_values(self.vb), self.page_indices, self.page_indptr,
+                self.query_seq, self.query_pos, self.scale, self.window)
+        ref = naive.decode(*args)
+        err = np.abs(out - ref).max()
+        allowed = naive.budget(*args, ref=ref)
+        assert np.isfinite(out).all() and err <= allowed, f"max error {err:.3g} (allowed {allowed:.3g})"
+
+
+def test_pack_columns_is_exact():
+    """Column p * G + g of the packed query holds part p of head g: the parts sum to q exactly (float32 q: three
+    parts; a bfloat16 q: one); the columns past the parts up to the tiles' width (a multiple of 32) zero."""
+    rng = np.random.default_rng(3)
+    H, G, D = 2, 16, 64
+    for bf16_q in (False, True):
+        q = (rng.standard_normal((H * G, D)) * 7).astype(np.float32)
+        if bf16_q:
+            q = naive.bf16_values(naive.bf16_bits(q)).astype(np.float32)
+        buf = amx_decode.decode_scratch(np.zeros((1, H, 16, D), np.int16), np.zeros((1, H, 16, D), np.int16),
+                                        q[None], H, amx_decode.FLAG)
+        buf[0][:] = 5
+        npq = amx_decode.prepare_query(q, buf)
+        assert npq == (1 if bf16_q else 3)
+        for h in range(H):
+            bits = buf[0][h].view(np.uint16).astype(np.uint32) << np.uint32(16)
+            vals = bits.view(np.float32).astype(np.float64)           # [D / 2, 2 * cols]: (pair, column, element)
+            cols = vals.reshape(D // 2, -1, 2).transpose(1, 0, 2).reshape(-1, D)      # [columns, D]
+            parts = cols[:npq * G].reshape(npq, G, D).sum(axis=0)
+            assert np.array_equal(parts, q[h * G:(h + 1) * G].astype(np.float64))
+            assert not cols[npq * G:-(-npq * G // 32) * 32].any()
+
+
+@pytest.mark.parametrize("P,b0,nb", [(16, 0, 128), (16, 5, 77), (32, 3, 31), (1, 0, 9), (64, 64, 128)])
+def test_pair_values_match_value_pairs(P, b0, nb):
+    """`pair_values` (the IR interleave, rows followed page by page) writes `amx_blocks.value_pairs`'s bits."""
+    rng = np.random.default_rng(P + b0 + nb)
+    n_pages = -(-(b0 + nb) // P) + 1
+    pool = zeros64(n_pages, 2 * P * 64, np.zeros(0, np.int16)).reshape(n_pages, 2, P, 64)
+    pool[:] = rng.integers(-2 ** 15, 2 ** 15, pool.shape, dtype=np.int64).astype(np.int16)
+    pages = rng.permutation(n_pages).astype(np.int32)
+    a = np.full((amx_decode.BLOCK // 2, 64), 9, np.uint32)
+    b = a.copy()
+    amx_blocks.value_pairs(pool, pages, 1, b0, nb, a)
+    amx_decode.pair_values(pool, pages, 1, b0, nb, b)
+    n = -(-nb // 32) * 16
+    assert np.array_equal(a[:n], b[:n])
+
+
+def _grid(reduced):
+    """(head_dim, group, page_size, window, H, bfloat16 q)."""
+    if reduced:
+        return [(32, 16, 16, 0, 1, False), (32, 32, 1, 5, 2, True)]
+    grid = itertools.product((32, 64, 128), (16, 32), (1, 16, 32, 64), (False, True))
+    return [(d, g, p, 7 * (n % 2), 1 + n % 2, b) for n, (d, g, p, b) in enumerate(grid) if not (d == 128 and p == 1)]
+
+
+def pytest_generate_tests(metafunc):
+    if "decode_case" in metafunc.fixturenames:
+        reduced = metafunc.config.getoption("--reduced-grid")
+        metafunc.parametrize("decode_case", _grid(reduced), ids=lambda c: "d%d-g%d-p%d-w%d-h%d-bf16q%d" % c)
+
+
+@TILES
+def test_grid(decode_case):
+    """Decode queries on the tiles, serial / parallel / split: within budget, the same bits on a second call."""
+    D, group, P, window, H, bf16_q = decode_case
+    rng = np.random.default_rng(D * 1000 + group * 100 + P * 10 + window + H + bf16_q)
+    scene = Scene(rng, D=D, group=group, P=P, lengths=(150, 301), window=window, H=H, bf16_q=bf16_q)
+    for m, split in MODES:
+        out = scene.run(mode=m, split_tokens=split)
+        scene.check(out)
+        assert np.array_equal(out, scene.run(mode=m, split_tokens=split))
+
+
+@TILES
+@pytest.mark.parametrize("D,group,H", [(128, 16, 2), (128, 32, 1), (64, 16, 1)])
+def test_score_magnitudes(D, group, H):
+    """q and K times 10 (|q.k| ~ 10**3 at head_dim 128), a float32 q: within budget, whole and in partials."""
+    rng = np.random.default_rng(D + group + H)
+    scene = Scene(rng, D=D, group=group, P=16, lengths=(83, 260), H=H, q_scale=10.0, k_scale=10.0)
+    for m, split in MODES:
+        scene.check(scene.run(mode=m, split_tokens=split))
+
+
+@TILES
+def test_tiles_taken_from_min_group(monkeypatch):
+    """The tiles take groups >= MIN_GROUP (other bits than with $KVENGINE_AMX=0, both within budget); a smaller
+    group keeps the per-query path (the same bits with the tiles on and off)."""
+    rng = np.random.default_rng(11)
+    big = Scene(rng, D=64, group=amx_decode.MIN_GROUP, P=16, lengths=(90, 200))
+    small = Scene(rng, D=64, group=amx_decode.MIN_GROUP // 2, P=16, lengths=(90, 200))
+    on = [big.run(), small.run()]
+    monkeypatch.setenv(amx_tiles.ENV, "0")
+    assert not amx_tiles.usable()
+    off = [big.run(), small.run()]
+    for scene, a, b in ((big, on[0], off[0]), (small, on[1], off[1])):
+        scene.check(a)
+        scene.check(b)
+    assert not np.array_equal(on[0], off[0])
+    assert np.array_equal(on[1], off[1])
+
+
+def test_no_tiles_without_the_flag():
+    """Without FLAG in ``dot`` (or below MIN_GROUP, or head_dim not a multiple of 32) the buffers are empty: the
+    per-query kernel keeps its own path."""
+    pages = np.zeros((1, 1, 16, 64), np.int16)
+    q = np.zeros((1, 32, 64), np.float32)
+    assert amx_decode.decode_scratch(pages, pages, q, 1, 1)[0].shape[0] == 0
+    assert amx_decode.decode_scratch(pages, pages, q[:, :amx_decode.MIN_GROUP - 1], 1, amx_decode.FLAG)[0].shape[0] == 0
+    odd = np.zeros((1, 1, 16, 48), np.int16)
+    assert amx_decode.decode_scratch(odd, odd, np.zeros((1, 32, 48), np.float32), 1, amx_decode.FLAG)[0].shape[0] == 0
+    if JIT and amx_tiles.HOST:
+        assert amx_decode.decode_scratch(pages, pages, q, 1, amx_decode.FLAG)[0].shape[0] > 0
