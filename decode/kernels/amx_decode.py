@@ -125,61 +125,59 @@ def pack_columns(qi, h, G, npq, QA, R):
 
 
 def split_weights(S, G, n, PA):
-    """PA[p * G + g, j] = the bfloat16 bits of part p of S[g, j] (j < n; three parts, `bf16_dot.split3`)."""
+    """PA[p * G + g, j] = the bfloat16 bits of part p of S[g, j] (j < n; three parts, `bf16_dot.split3`). Two-index
+    element access throughout, here and in the block steps below: a row view in a loop costs a reference-count
+    call pair per row even on borrowed arrays."""
     bits = S.view(np.uint32)
     for g in range(G):
-        x = S[g]
-        u = bits[g]
-        d0 = PA[g]
-        d1 = PA[G + g]
-        d2 = PA[2 * G + g]
         for j in range(n):
-            a, b, c = split3(x[j], u[j])
-            d0[j] = _high(a)
-            d1[j] = _high(b)
-            d2[j] = _high(c)
+            a, b, c = split3(S[g, j], bits[g, j])
+            PA[g, j] = _high(a)
+            PA[G + g, j] = _high(b)
+            PA[2 * G + g, j] = _high(c)
 
 
-def pair32(a, b, dst, d0):
-    """dst[d0 + i] = a[d0 + i] (low half) | b[d0 + i] (high half) for i < 32 (bfloat16 bits of two value rows; dst
-    uint32). In IR: two 32 x 16-bit loads, two interleaving shuffles, two stores (numba's own loop over the rows
-    vectorised only where it was inlined with a constant block length: 3x slower otherwise, measured)."""
-    for i in range(d0, d0 + 32):
-        dst[i] = np.uint32(np.uint16(a[i])) | (np.uint32(np.uint16(b[i])) << np.uint32(16))
+def pair32(src, ia, ib, dst, io):
+    """dst[io + i] = src[ia + i] (low half) | src[ib + i] (high half) for i < 32 (bfloat16 bits of two value rows
+    of a flat pool; dst flat uint32). In IR: two 32 x 16-bit loads, two interleaving shuffles, two stores."""
+    for i in range(32):
+        dst[io + i] = np.uint32(np.uint16(src[ia + i])) | (np.uint32(np.uint16(src[ib + i])) << np.uint32(16))
 
 
 def pair_values(v_pages, pages, h, b0, nb, VB):
     """VB[k, d] = value rows 2k (low half) and 2k + 1 (high half) of kv head h at absolute positions b0.. (bfloat16
     bits; rows from nb to nb rounded up to 32 zero; Dv a multiple of 32): the B operand of the PV tiles
-    (`amx_blocks.value_pairs`'s result, by `pair32`). The rows are followed page by page (no division per row:
-    two integer divisions per row took 2.5 µs of a 128-key block's 2.9)."""
+    (`amx_blocks.value_pairs`'s result, by `pair32` on flat views). The rows are followed page by page."""
+    H = v_pages.shape[1]
     P = v_pages.shape[2]
     Dv = v_pages.shape[3]
+    src = v_pages.reshape(-1)
+    dst = VB.reshape(-1)
     j = b0 // P                 # the page (index into `pages`) and slot of the next row
     s = b0 - j * P
     for k in range(_cols(nb) // 2):
-        dst = VB[k]
+        io = k * Dv
         left = nb - 2 * k
         if left >= 2:
-            a = v_pages[pages[j], h, s]
+            ia = ((pages[j] * H + h) * P + s) * Dv
             s += 1
             if s == P:
                 j += 1
                 s = 0
-            b = v_pages[pages[j], h, s]
+            ib = ((pages[j] * H + h) * P + s) * Dv
             s += 1
             if s == P:
                 j += 1
                 s = 0
             for d0 in range(0, Dv, 32):
-                pair32(a, b, dst, d0)
+                pair32(src, ia + d0, ib + d0, dst, io + d0)
         elif left == 1:
-            a = v_pages[pages[j], h, s]
+            ia = ((pages[j] * H + h) * P + s) * Dv
             for d in range(Dv):
-                dst[d] = np.uint32(np.uint16(a[d]))
+                dst[io + d] = np.uint32(np.uint16(src[ia + d]))
         else:
             for d in range(Dv):
-                dst[d] = 0
+                dst[io + d] = 0
 
 
 def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
@@ -194,20 +192,18 @@ def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
     mr = red[2]
     Dv = O.shape[1]
     for j in range(nb):
-        st = ST[j]
-        w = W[j]
         if npq == 3:
             for g in range(GP):
-                w[g] = st[g] + st[G + g] + st[2 * G + g]
+                W[j, g] = ST[j, g] + ST[j, G + g] + ST[j, 2 * G + g]
         else:
             for g in range(GP):
-                w[g] = st[g]
+                W[j, g] = ST[j, g]
         if j == 0:
             for g in range(GP):
-                mb[g] = w[g]
+                mb[g] = W[j, g]
         else:
             for g in range(GP):
-                mb[g] = max(mb[g], w[g])
+                mb[g] = max(mb[g], W[j, g])
     for g in range(G):
         if first:
             m[g] = mb[g]
@@ -215,9 +211,8 @@ def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
         elif mb[g] > m[g]:
             alpha = exp((m[g] - mb[g]) * scale)
             for p in range(3):
-                row = O[p * G + g]
                 for d in range(Dv):
-                    row[d] *= alpha
+                    O[p * G + g, d] *= alpha
             l[g] *= alpha
             m[g] = mb[g]
         mr[g] = m[g]
@@ -226,15 +221,13 @@ def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
     for g in range(GP):
         ls[g] = 0.0
     for j in range(nb):
-        w = W[j]
         for g in range(GP):
-            e = exp_inline((w[g] - mr[g]) * scale)
-            w[g] = e
+            e = exp_inline((W[j, g] - mr[g]) * scale)
+            W[j, g] = e
             ls[g] += e
     for j in range(nb, nbp):
-        w = W[j]
         for g in range(GP):
-            w[g] = 0.0
+            W[j, g] = 0.0
     for g in range(G):
         l[g] += ls[g]
     flat = W.reshape(-1)
@@ -250,21 +243,16 @@ def store_head(O, l, m, G, h, out_i, w, wm, wl, wacc):
     (m, l, the sum) at slot w, its lanes in the pair order (`register_blocks.in_pairs`: the merge unpairs)."""
     Dv = O.shape[1]
     for g in range(G):
-        a = O[g]
-        b = O[G + g]
-        c = O[2 * G + g]
         if w < 0:
             inv = 1.0 / l[g]
-            dst = out_i[h * G + g]
             for d in range(Dv):
-                dst[d] = (a[d] + b[d] + c[d]) * inv
+                out_i[h * G + g, d] = (O[g, d] + O[G + g, d] + O[2 * G + g, d]) * inv
         else:
             wm[w, h, g] = m[g]
             wl[w, h, g] = l[g]
-            dst = wacc[w, h, g]
             for k in range(Dv):
                 d = pair_dim(k)
-                dst[k] = a[d] + b[d] + c[d]
+                wacc[w, h, g, k] = O[g, d] + O[G + g, d] + O[2 * G + g, d]
 
 
 def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc):
@@ -323,30 +311,31 @@ if JIT:
     from numba.extending import intrinsic, overload
 
     @intrinsic
-    def _pair32_ir(typingctx, a, b, dst, d0):
-        if not (isinstance(a, types.Array) and a.dtype == types.int16 and b == a and isinstance(dst, types.Array)
+    def _pair32_ir(typingctx, src, ia, ib, dst, io):
+        if not (isinstance(src, types.Array) and src.dtype == types.int16 and isinstance(dst, types.Array)
                 and dst.dtype == types.uint32):
             return None
 
         def codegen(context, builder, sig, args):
             i16x32 = _ir.VectorType(_ir.IntType(16), 32)
-            o = context.cast(builder, args[3], sig.args[3], types.int64)
+            base = context.make_array(sig.args[0])(context, builder, args[0]).data
             rows = []
-            for k in (0, 1):
-                base = context.make_array(sig.args[k])(context, builder, args[k]).data
+            for k in (1, 2):
+                o = context.cast(builder, args[k], sig.args[k], types.int64)
                 rows.append(builder.load(builder.bitcast(builder.gep(base, [o]), i16x32.as_pointer()), align=2))
-            out = context.make_array(sig.args[2])(context, builder, args[2]).data
+            out = context.make_array(sig.args[3])(context, builder, args[3]).data
+            o = context.cast(builder, args[4], sig.args[4], types.int64)
             for half in (0, 1):
                 mask = [x for i in range(16) for x in (16 * half + i, 32 + 16 * half + i)]
                 v = builder.shuffle_vector(rows[0], rows[1], _ir.Constant(_ir.VectorType(_ir.IntType(32), 32), mask))
                 ptr = builder.gep(out, [builder.add(o, _ir.Constant(_ir.IntType(64), 16 * half))])
                 builder.store(v, builder.bitcast(ptr, i16x32.as_pointer()), align=4)
             return context.get_dummy_value()
-        return types.void(a, b, dst, d0), codegen
+        return types.void(src, ia, ib, dst, io), codegen
 
     @overload(pair32, inline="always")
-    def _pair32_ov(a, b, dst, d0):
-        return lambda a, b, dst, d0: _pair32_ir(a, b, dst, d0)
+    def _pair32_ov(src, ia, ib, dst, io):
+        return lambda src, ia, ib, dst, io: _pair32_ir(src, ia, ib, dst, io)
 
     _cols = njit(inline="always")(_cols)
     _cols16 = njit(inline="always")(_cols16)
