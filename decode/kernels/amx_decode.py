@@ -53,10 +53,10 @@ def _cols16(n):
 
 
 def _buffers(H, D, Dv, G, use):
-    """(QA [H, D / 2, 2 R], Kt, ST [BLOCK, R + 16], W [BLOCK, G16], S [G16, BLOCK], PA [2, R, BLOCK], VB [2, BLOCK /
-    2, Dv], O [H, R, Dv], m [H, G], l [H, G], off, cfg, red [3, G16]) for H kv heads of G q heads (R = 3 G rounded
-    up to 32, G16 = G rounded up to 16; ST's 16 more columns: `block_softmax` reads whole vectors of heads; PA /
-    VB: two of each, `attend_query` alternates them); empty unless ``use``."""
+    """(QA [H, D / 2, 2 R], Kt, ST [BLOCK, R + 16], W [BLOCK, G16], S [G16, BLOCK], PA [R, BLOCK], VB [BLOCK / 2,
+    Dv], O [H, R, Dv], m [H, G], l [H, G], off, cfg, red [3, G16]) for H kv heads of G q heads (R = 3 G rounded up
+    to 32, G16 = G rounded up to 16; ST's 16 more columns: `block_softmax` reads whole vectors of heads); empty
+    unless ``use``."""
     if not use:
         H = 0
         G = 0
@@ -67,8 +67,7 @@ def _buffers(H, D, Dv, G, use):
     return (zeros64(H * D // 2, 2 * R, np.zeros(0, np.int16)).reshape((H, D // 2, 2 * R)),
             zeros64(nb, D, np.zeros(0, np.int16)), zeros64(nb, R + 16, np.zeros(0, np.float32)),
             np.zeros((nb, _cols16(G)), np.float32), np.zeros((_cols16(G), nb), np.float32),
-            zeros64(2 * R, nb, np.zeros(0, np.int16)).reshape((2, R, nb)),
-            zeros64(nb, Dv, np.zeros(0, np.uint32)).reshape((2, nb // 2, Dv)),
+            zeros64(R, nb, np.zeros(0, np.int16)), zeros64(nb // 2, Dv, np.zeros(0, np.uint32)),
             zeros64(H * R, Dv, np.zeros(0, np.float32)).reshape((H, R, Dv)), np.zeros((H, G), np.float32),
             np.zeros((H, G), np.float32), np.zeros(16, np.int64), tile_config(), np.zeros((3, _cols16(G)), np.float32))
 
@@ -259,12 +258,7 @@ def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm,
     """Attention of one query (packed by `prepare_query`, npq its parts) over the keys [lo, hi) of its sequence
     (`pages`: its page row): blocks of BLOCK keys (cut at absolute multiples), each over every kv head in turn (the
     walk reads a page's heads one after another), on the tiles; then `store_head` per head. buf: `decode_scratch`'s
-    buffers.
-
-    Software-pipelined by one step: a (block, head)'s PV operands (PA, VB: one of two buffers each) are written
-    after its softmax, and multiplied after the next step's scores. A tile load of lines whose stores are still
-    in flight stalls (measured: value pairs then their PV, one thread, 0.94 + 0.79 µs a block alone, 2.43
-    together); a step's PV runs before the next softmax, which may rescale the same head's O."""
+    buffers."""
     QA, Kt, ST, W, S, PA, VB, O, m, l, off, cfg, red = buf
     QA, Kt, ST, W, S, PA, VB, O, m, l, off, cfg, red = (borrow(QA), borrow(Kt), borrow(ST), borrow(W), borrow(S),
                                                         borrow(PA), borrow(VB), borrow(O), borrow(m), borrow(l),
@@ -275,9 +269,7 @@ def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm,
     Dv = v_pages.shape[3]
     R = _cols(npq * G)
     Rs = O.shape[1]
-    ph = -1                     # the pending PV: head, buffer, keys (rounded up to 32)
-    pb = 0
-    pn = 0
+    PA1 = PA.reshape((1, PA.shape[0], PA.shape[1]))
     b0 = lo
     while b0 < hi:
         b1 = min(hi, (b0 // BLOCK + 1) * BLOCK)
@@ -287,21 +279,15 @@ def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm,
             Oh = O[h]
             stage_keys(k_pages, pages, h, b0, nb, Kt)
             amx_scores(k_pages, pages, h, b0, nb, Kt, QA[h], 1, ST, R, cfg)
-            if ph >= 0:
-                amx_pv(PA[pb:pb + 1], 1, VB[pb], O[ph], Rs, pn, Dv, cfg)
             if b0 == lo:
                 for r in range(Rs):
-                    row = Oh[r]
                     for d in range(Dv):
-                        row[d] = 0.0
+                        Oh[r, d] = 0.0
             block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m[h], l[h], Oh, b0 == lo, scale)
-            pb = 1 - pb
-            split_weights(S, G, nbp, PA[pb])
-            pair_values(v_pages, pages, h, b0, nb, VB[pb])
-            ph = h
-            pn = nbp
+            split_weights(S, G, nbp, PA)
+            pair_values(v_pages, pages, h, b0, nb, VB)
+            amx_pv(PA1, 1, VB, Oh, Rs, nbp, Dv, cfg)
         b0 = b1
-    amx_pv(PA[pb:pb + 1], 1, VB[pb], O[ph], Rs, pn, Dv, cfg)
     for h in range(H):
         store_head(O[h], l[h], m[h], G, h, out_i, w, wm, wl, wacc)
 
