@@ -16,6 +16,8 @@
                   bfloat16 pages, where the CPU has AMX-BF16 and the OS grants the tile state
     amx_blocks.py the tiled kernel's block steps around them: q / weights split into exact bfloat16 parts, keys
                   staged, value rows paired, the score epilogue
+    amx_decode.py the per-query kernel's walk on the tiles for groups of >= 16 q heads per kv head: the parts as
+                  columns / rows, the softmax over keys x heads, value rows paired by an IR interleave
     simd.py       scalar and SIMD helpers: element loads, prefetch hints and page touches (address translations
                   ahead of the hints), borrowed arrays, exact 2**n, lane reductions, polynomial exp (each with a
                   plain-Python twin for NUMBA_DISABLE_JIT), zero arrays on 64-byte rows

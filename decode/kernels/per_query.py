@@ -2,7 +2,8 @@
 range) with EVERY kv head: each page of the range is read whole (its K for all heads is one contiguous run of
 the head-major pool, then its V), so a thread streams long runs instead of one head's small tile per page.
 Units come from `units.plan_units` (ranges cut at absolute positions), are balanced over the threads, and split
-ranges are merged (`units.merge_rows`) in slot order.
+ranges are merged (`units.merge_rows`) in slot order. bfloat16 pages with >= `amx_decode.MIN_GROUP` q heads per kv
+head take the AMX tiles where the plan says so (`amx_decode.attend_query` instead of `attend_pages`).
 
 Arguments shared by the entry points (docs/kernel.md, "API of the kernels"): q [num_queries, num_q_heads,
 head_dim] compute dtype; k_pages / v_pages as `loaders` reads them; k_scales / v_scales None (float formats) or
