@@ -23,7 +23,7 @@ from numba import njit, types
 
 from .amx_tiles import HOST, amx_pv, amx_scores, in_place
 from .bf16_dot import high as _high, split3
-from .gemm import COLMAX, SCALE, transpose16
+from .gemm import COLMAX, SCALE, transpose_rows
 from .pair_scores import page_piece
 from .simd import FAST, JIT, zeros64
 
@@ -180,18 +180,12 @@ def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg):
             row = O[r]
             for d in range(Dv):
                 row[d] *= a
-    cols = ST.shape[1]
     for j in range(nb, nbp):
         row = ST[j]
         for r in range(Rs):
             row[r] = 0.0
     PT, PA, VB, off = pv
-    flat = ST.reshape(-1)
-    for j0 in range(0, nbp, 16):
-        for k in range(16):
-            off[k] = (j0 + k) * cols
-        for c0 in range(0, Rs, 16):
-            transpose16(flat, off, c0, PT, j0)
+    transpose_rows(ST, nbp, Rs, off, PT)
     parts = split_rows(PT, Rs, nbp, PA)
     value_pairs(v_pages, pages, h, b0, nb, VB)
     amx_pv(PA, parts, VB, O, Rs, nbp, Dv, cfg)

@@ -8,8 +8,9 @@ output element, is the float32 sum of its parts' sums: per kv head and block of 
 
     ST [nb, cols]      =  K_block . QA          (`amx_tiles.amx_scores`; K in place where whole 16-key groups lie
                                                   in a page, else staged)
-    S [G, nb]          =  sum over parts of ST^T  (16 x 16 register transposes, `gemm.transpose16`)
-    online softmax     on S (unscaled running max m, sum l; O's rows of head g rescaled with it)
+    W [nb, G]          =  the sum over parts of ST's columns, then the online softmax over keys x heads (unscaled
+                          running max m, sum l; O's rows of head g rescaled with it), exp((W - max) * scale)
+    S [G, nb]          <- W^T  (16 x 16 register transposes, `gemm.transpose_rows`)
     PA [3 G, nb]       <- S split into three exact parts, rows p * G + g
     O [3 G, Dv]        += PA . V_block's key pairs (`amx_tiles.amx_pv`)
 
@@ -17,7 +18,8 @@ and the output row of head g is (O[g] + O[G + g] + O[2 G + g]) / l[g]. Against t
 path the tile products replace 2 x head_dim FMA lanes per key and q head: 3 to 12 times fewer instructions for
 groups of 4 to 32 q heads. The only roundings are float32 additions (the accuracy rule's budget holds: `tests/
 decode/test_amx_decode.py`); the bits differ from the other paths' (and are the same on every call and thread
-count: the blocks are cut at absolute multiples of BLOCK, as the units are).
+count: the blocks are cut at absolute multiples of BLOCK, as the units are). Only groups of >= MIN_GROUP q heads
+per kv head take the tiles: below, the per-query kernel's FMAs measured faster (docs/kernel.md, "AMX tiles").
 
     FLAG                         the bit the plan sets in the per-query kernel's ``dot`` where the tiles run
     MIN_GROUP                    q heads per kv head from which the tiles take a query (measured)
@@ -33,7 +35,7 @@ from numba import njit, types
 from .amx_blocks import stage_keys
 from .amx_tiles import HOST, amx_pv, amx_scores, tile_config
 from .bf16_dot import high as _high, split3
-from .gemm import transpose16
+from .gemm import transpose_rows
 from .register_blocks import pair_dim
 from .simd import EXP_FLAGS, FAST, JIT, borrow, exp, exp_inline, zeros64
 
@@ -229,12 +231,7 @@ def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
             W[j, g] = 0.0
     for g in range(G):
         l[g] += ls[g]
-    flat = W.reshape(-1)
-    for j0 in range(0, nbp, 16):
-        for k in range(16):
-            off[k] = (j0 + k) * GP
-        for c0 in range(0, GP, 16):
-            transpose16(flat, off, c0, S, j0)
+    transpose_rows(W, nbp, GP, off, S)
 
 
 def store_head(O, l, m, G, h, out_i, w, wm, wl, wacc):

@@ -11,6 +11,7 @@ elements broadcast.
     gemm_strip_bf(A, a_rs, i0, i1, B, c0, C, nk, nv, init, sc, mx, imax)     a fresh C over bfloat16 pairs
         (`vdpbf16ps`: A's rows and B's pairs int16 bfloat16 bits, C float32; `pair_scores`)
     transpose16(qf, off, d0, QT, r0)                                          a 16 x 16 transposed copy
+    transpose_rows(src, n, width, off, dst)                                   dst[c, j] = src[j, c] by 16 x 16s
 
 The flags are the online softmax's element passes folded into the GEMMs' prologue / epilogue, where C's block
 is in registers or L1 anyway: O's rescale by alpha before P @ V adds to it, the score scale and the block's
@@ -415,6 +416,18 @@ def transpose16(qf, off, d0, QT, r0):
             row[r0 + k] = qf[off[k] + d0 + j]
 
 
+def transpose_rows(src, n, width, off, dst):
+    """dst[c, j] = src[j, c] for j < n, c < width (both multiples of 16; src [>= n, >= width] C-contiguous, dst
+    [>= width, >= n]): 16 x 16 blocks by `transpose16`, off its int64 [16] scratch."""
+    flat = src.reshape(-1)
+    cols = src.shape[1]
+    for j0 in range(0, n, 16):
+        for k in range(16):
+            off[k] = (j0 + k) * cols
+        for c0 in range(0, width, 16):
+            transpose16(flat, off, c0, dst, j0)
+
+
 if JIT:
     _transpose16_loop = __import__("numba").njit(cache=True)(transpose16)
 
@@ -458,3 +471,5 @@ if JIT:
         if qf.dtype == types.float32 and QT.dtype == types.float32:
             return lambda qf, off, d0, QT, r0: _transpose16_ir(qf, off, d0, QT, r0)
         return lambda qf, off, d0, QT, r0: _transpose16_loop(qf, off, d0, QT, r0)
+
+    transpose_rows = __import__("numba").njit(cache=True)(transpose_rows)

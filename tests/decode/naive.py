@@ -124,6 +124,16 @@ def budget(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query_pos,
     return ATOL + FACTOR * max(errors)
 
 
+def check_bf16(out, q, kb, vb, page_indices, page_indptr, query_seq, query_pos, scale, window):
+    """Assert ``out`` (float32) is finite and within `budget` of the float64 oracle over bfloat16 pages given as
+    bits (kb / vb uint16)."""
+    args = (q, bf16_values(kb), bf16_values(vb), page_indices, page_indptr, query_seq, query_pos, scale, window)
+    ref = decode(*args)
+    err = np.abs(out - ref).max()
+    allowed = budget(*args, ref=ref)
+    assert np.isfinite(out).all() and err <= allowed, f"max error {err:.3g} (allowed {allowed:.3g})"
+
+
 def budget_dense(q, K, V, start, scale, window, ref=None):
     """`budget` for queries q [T, Hq, D] at positions start.. of one sequence with dense K, V [n, Hkv, .]."""
     n = K.shape[0]

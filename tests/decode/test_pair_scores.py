@@ -174,12 +174,8 @@ class Case:
         return out
 
     def check(self, out):
-        args = (self.q, naive.bf16_values(self.kb), naive.bf16_values(self.vb), self.page_indices, self.page_indptr,
-                self.query_seq, self.query_pos, self.scale, self.window)
-        ref = naive.decode(*args)
-        err = np.abs(out - ref).max()
-        allowed = naive.budget(*args, ref=ref)
-        assert np.isfinite(out).all() and err <= allowed, f"max error {err:.3g} (allowed {allowed:.3g})"
+        naive.check_bf16(out, self.q, self.kb, self.vb, self.page_indices, self.page_indptr, self.query_seq,
+                         self.query_pos, self.scale, self.window)
 
 
 def _grid(reduced):
