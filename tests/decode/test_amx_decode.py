@@ -53,10 +53,13 @@ class Scene:
         self.q = naive.bf16_values(naive.bf16_bits(q)).astype(np.float32) if bf16_q else q
         self.scale, self.window = 1.0 / math.sqrt(D), window
 
-    def run(self, mode=0, split_tokens=0):
-        out = np.full((len(self.q), self.q.shape[1], self.vb.shape[3]), np.nan, np.float32)
-        return attend_unchecked(self.q, self.kb, self.vb, self.page_indices, self.page_indptr, self.query_seq,
-                                self.query_pos, self.scale, self.window, out, storage="bfloat16", mode=mode,
+    def run(self, mode=0, split_tokens=0, only=None):
+        """All queries, or those at the indices ``only`` (a smaller batch)."""
+        pick = slice(None) if only is None else np.asarray(only)
+        q = np.ascontiguousarray(self.q[pick])
+        out = np.full((len(q), q.shape[1], self.vb.shape[3]), np.nan, np.float32)
+        return attend_unchecked(q, self.kb, self.vb, self.page_indices, self.page_indptr, self.query_seq[pick],
+                                self.query_pos[pick], self.scale, self.window, out, storage="bfloat16", mode=mode,
                                 split_tokens=split_tokens, tiled=False)
 
     def check(self, out):
@@ -119,14 +122,19 @@ def pytest_generate_tests(metafunc):
 
 @TILES
 def test_grid(decode_case):
-    """Decode queries on the tiles, serial / parallel / split: within budget, the same bits on a second call."""
+    """Decode queries on the tiles, serial / parallel / split: within budget, the same bits on a second call, on
+    one thread and on all (the key ranges are cut at absolute positions), and for a query alone as in the batch."""
     D, group, P, window, H, bf16_q = decode_case
     rng = np.random.default_rng(D * 1000 + group * 100 + P * 10 + window + H + bf16_q)
     scene = Scene(rng, D=D, group=group, P=P, lengths=(150, 301), window=window, H=H, bf16_q=bf16_q)
+    outs = {}
     for m, split in MODES:
-        out = scene.run(mode=m, split_tokens=split)
+        outs[m, split] = out = scene.run(mode=m, split_tokens=split)
         scene.check(out)
         assert np.array_equal(out, scene.run(mode=m, split_tokens=split))
+    assert np.array_equal(outs[1, 0], outs[2, 0])
+    for i in range(len(scene.q)):
+        assert np.array_equal(scene.run(mode=2, only=[i])[0], outs[2, 0][i])
 
 
 @TILES
