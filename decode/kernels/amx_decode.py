@@ -14,7 +14,9 @@ output element, is the float32 sum of its parts' sums: per kv head and block of 
     PA [3 G, nb]       <- S split into three exact parts, rows p * G + g
     O [3 G, Dv]        += PA . V_block's key pairs (`amx_tiles.amx_pv`)
 
-and the output row of head g is (O[g] + O[G + g] + O[2 G + g]) / l[g]. Against the per-query kernel's widening
+and the output row of head g is (O[g] + O[G + g] + O[2 G + g]) / l[g]. Where G is a multiple of 32 (the heads
+alone fill whole tiles) the query's parts are stacked along head_dim instead (`stacked`) and the tile unit sums
+them: no parts' sum in W. Against the per-query kernel's widening
 path the tile products replace 2 x head_dim FMA lanes per key and q head: 3 to 12 times fewer instructions for
 groups of 4 to 32 q heads. The only roundings are float32 additions (the accuracy rule's budget holds: `tests/
 decode/test_amx_decode.py`); the bits differ from the other paths' (and are the same on every call and thread
@@ -66,7 +68,8 @@ def _buffers(H, D, Dv, G, use):
         Dv = 0
     R = _cols(3 * G)
     nb = BLOCK if use else 0
-    return (zeros64(H * D // 2, 2 * R, np.zeros(0, np.int16)).reshape((H, D // 2, 2 * R)),
+    qrows, qcols = (3 * (D // 2), 2 * G) if G % 32 == 0 else (D // 2, 2 * R)    # `stacked` / side by side
+    return (zeros64(H * qrows, qcols, np.zeros(0, np.int16)).reshape((H, qrows, qcols)),
             zeros64(nb, D, np.zeros(0, np.int16)), zeros64(nb, R + 16, np.zeros(0, np.float32)),
             np.zeros((nb, _cols16(G)), np.float32), np.zeros((_cols16(G), nb), np.float32),
             zeros64(R, nb, np.zeros(0, np.int16)), zeros64(nb // 2, Dv, np.zeros(0, np.uint32)),
@@ -97,32 +100,42 @@ def prepare_query(qi, buf):
             low |= row[d] & np.uint32(0xFFFF)
     npq = 1 if low == 0 else 3
     for h in range(H):
-        pack_columns(qi, h, G, npq, QA[h], _cols(npq * G))
+        pack_columns(qi, h, G, npq, QA[h], _cols(npq * G), stacked(QA, qi.shape[1]))
     return npq
 
 
-def pack_columns(qi, h, G, npq, QA, R):
+def stacked(QA, D):
+    """Whether the query's parts are stacked along head_dim (rows p * D / 2 + k of QA, column g: G a multiple of
+    32, the tiles' columns full without laying the parts side by side; the tile unit then sums the parts) rather
+    than side by side (columns p * G + g)."""
+    return QA.shape[-2] == 3 * (D // 2)
+
+
+def pack_columns(qi, h, G, npq, QA, R, stack):
     """QA's uint32 view [D / 2, >= R]: column p * G + g holds part p (< npq) of q head h * G + g, elements 2k (low
-    half) and 2k + 1 (high half) in row k; columns npq * G .. R zero. The split: `bf16_dot.split3` (exact)."""
+    half) and 2k + 1 (high half) in row k; columns npq * G .. R zero. stack (`stacked`): part p in rows p * D / 2
+    + k, column g, instead. The split: `bf16_dot.split3` (exact)."""
     packed = QA.view(np.uint32)
     hm = np.uint32(0xFFFF0000)
     s16 = np.uint32(16)
-    half = packed.shape[0]
+    half = qi.shape[1] // 2
     for g in range(G):
         x = qi[h * G + g]
         u = x.view(np.uint32)
         for k in range(half):
             a0, b0, c0 = split3(x[2 * k], u[2 * k])
             a1, b1, c1 = split3(x[2 * k + 1], u[2 * k + 1])
-            row = packed[k]
-            row[g] = (a0 >> s16) | a1
-            if npq == 3:
-                row[G + g] = (b0 >> s16) | (b1 & hm)
-                row[2 * G + g] = (c0 >> s16) | (c1 & hm)
-    for k in range(half):
-        row = packed[k]
-        for c in range(npq * G, R):
-            row[c] = 0
+            packed[k, g] = (a0 >> s16) | a1
+            if npq == 3 and stack:
+                packed[half + k, g] = (b0 >> s16) | (b1 & hm)
+                packed[2 * half + k, g] = (c0 >> s16) | (c1 & hm)
+            elif npq == 3:
+                packed[k, G + g] = (b0 >> s16) | (b1 & hm)
+                packed[k, 2 * G + g] = (c0 >> s16) | (c1 & hm)
+    if not stack:
+        for k in range(half):
+            for c in range(npq * G, R):
+                packed[k, c] = 0
 
 
 def split_weights(S, G, n, PA):
@@ -264,7 +277,10 @@ def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm,
     H = k_pages.shape[1]
     G = m.shape[1]
     Dv = v_pages.shape[3]
-    R = _cols(npq * G)
+    stack = stacked(QA, k_pages.shape[3])
+    R = G if stack else _cols(npq * G)      # the score tiles' columns, and the parts the tile unit sums
+    tp = npq if stack else 1
+    cp = 1 if stack else npq                # the parts `block_softmax` sums
     Rs = O.shape[1]
     PA1 = PA.reshape((1, PA.shape[0], PA.shape[1]))
     b0 = lo
@@ -275,12 +291,12 @@ def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm,
         for h in range(H):
             Oh = O[h]
             stage_keys(k_pages, pages, h, b0, nb, Kt)
-            amx_scores(k_pages, pages, h, b0, nb, Kt, QA[h], 1, ST, R, cfg)
+            amx_scores(k_pages, pages, h, b0, nb, Kt, QA[h], tp, ST, R, cfg)
             if b0 == lo:
                 for r in range(Rs):
                     for d in range(Dv):
                         Oh[r, d] = 0.0
-            block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m[h], l[h], Oh, b0 == lo, scale)
+            block_softmax(cp, G, nb, nbp, ST, W, S, off, red, m[h], l[h], Oh, b0 == lo, scale)
             split_weights(S, G, nbp, PA)
             pair_values(v_pages, pages, h, b0, nb, VB)
             amx_pv(PA1, 1, VB, Oh, Rs, nbp, Dv, cfg)
@@ -325,6 +341,7 @@ if JIT:
     _buffers = njit(cache=True)(_buffers)
     pair_values = njit(cache=True)(pair_values)
     pack_columns = njit(cache=True)(pack_columns)        # no fastmath: x - hi must be the exact difference
+    stacked = njit(inline="always")(stacked)
     split_weights = njit(cache=True)(split_weights)      # no fastmath: as above
     block_softmax = njit(cache=True, fastmath=EXP_FLAGS)(block_softmax)
     store_head = njit(cache=True, fastmath=FAST)(store_head)

@@ -67,27 +67,33 @@ class Scene:
                          self.query_pos, self.scale, self.window)
 
 
-def test_pack_columns_is_exact():
-    """Column p * G + g of the packed query holds part p of head g: the parts sum to q exactly (float32 q: three
-    parts; a bfloat16 q: one); the columns past the parts up to the tiles' width (a multiple of 32) zero."""
-    rng = np.random.default_rng(3)
-    H, G, D = 2, 16, 64
+@pytest.mark.parametrize("G", [16, 32])
+def test_pack_columns_is_exact(G):
+    """The packed query's parts sum to q exactly (float32 q: three parts; a bfloat16 q: one). 16 q heads per kv
+    head: part p of head g in column p * G + g, the columns past the parts up to the tiles' width (a multiple of
+    32) zero; 32: the parts stacked along head_dim (rows p * D / 2 + k), head g in column g."""
+    rng = np.random.default_rng(3 + G)
+    H, D = 2, 64
     for bf16_q in (False, True):
         q = (rng.standard_normal((H * G, D)) * 7).astype(np.float32)
         if bf16_q:
             q = naive.bf16_values(naive.bf16_bits(q)).astype(np.float32)
         buf = amx_decode.decode_scratch(np.zeros((1, H, 16, D), np.int16), np.zeros((1, H, 16, D), np.int16),
                                         q[None], H, amx_decode.FLAG)
-        buf[0][:] = 5
+        buf[0][:] = 5 if G % 32 else 0
         npq = amx_decode.prepare_query(q, buf)
         assert npq == (1 if bf16_q else 3)
         for h in range(H):
             bits = buf[0][h].view(np.uint16).astype(np.uint32) << np.uint32(16)
-            vals = bits.view(np.float32).astype(np.float64)           # [D / 2, 2 * cols]: (pair, column, element)
-            cols = vals.reshape(D // 2, -1, 2).transpose(1, 0, 2).reshape(-1, D)      # [columns, D]
-            parts = cols[:npq * G].reshape(npq, G, D).sum(axis=0)
-            assert np.array_equal(parts, q[h * G:(h + 1) * G].astype(np.float64))
-            assert not cols[npq * G:-(-npq * G // 32) * 32].any()
+            vals = bits.view(np.float32).astype(np.float64)           # [rows, 2 * cols]: (pair, column, element)
+            if G % 32:
+                cols = vals.reshape(D // 2, -1, 2).transpose(1, 0, 2).reshape(-1, D)          # [columns, D]
+                parts = cols[:npq * G].reshape(npq, G, D)
+                assert not cols[npq * G:-(-npq * G // 32) * 32].any()
+            else:
+                parts = vals.reshape(3, D // 2, G, 2).transpose(0, 2, 1, 3).reshape(3, G, D)  # [part, head, D]
+                assert not parts[npq:].any()
+            assert np.array_equal(parts.sum(axis=0), q[h * G:(h + 1) * G].astype(np.float64))
 
 
 @pytest.mark.parametrize("P,b0,nb", [(16, 0, 128), (16, 5, 77), (32, 3, 31), (1, 0, 9), (64, 64, 128)])
