@@ -36,7 +36,7 @@ from numba import njit, types
 
 from .amx_blocks import stage_keys
 from .amx_tiles import HOST, amx_pv, amx_scores, tile_config
-from .bf16_dot import high as _high, split3
+from .bf16_dot import exactly_bf16, high as _high, split3
 from .gemm import transpose_rows
 from .register_blocks import pair_dim
 from .simd import EXP_FLAGS, FAST, JIT, borrow, exp, exp_inline, zeros64
@@ -57,10 +57,10 @@ def _cols16(n):
 
 
 def _buffers(H, D, Dv, G, use):
-    """(QA [H, D / 2, 2 R], Kt, ST [BLOCK, R + 16], W [BLOCK, G16], S [G16, BLOCK], PA [R, BLOCK], VB [BLOCK / 2,
-    Dv], O [H, R, Dv], m [H, G], l [H, G], off, cfg, red [3, G16]) for H kv heads of G q heads (R = 3 G rounded up
-    to 32, G16 = G rounded up to 16; ST's 16 more columns: `block_softmax` reads whole vectors of heads); empty
-    unless ``use``."""
+    """(QA, Kt, ST [BLOCK, R + 16], W [BLOCK, G16], S [G16, BLOCK], PA [R, BLOCK], VB [BLOCK / 2, Dv], O [H, R,
+    Dv], m [H, G], l [H, G], off, cfg, red [3, G16]) for H kv heads of G q heads (R = 3 G rounded up to 32, G16 = G
+    rounded up to 16; QA [H, D / 2, 2 R] with the parts side by side, [H, 3 D / 2, 2 G] `stacked` where G is a
+    multiple of 32; ST's 16 more columns: `block_softmax` reads whole vectors of heads); empty unless ``use``."""
     if not use:
         H = 0
         G = 0
@@ -92,13 +92,7 @@ def prepare_query(qi, buf):
     QA = buf[0]
     H = QA.shape[0]
     G = qi.shape[0] // H
-    bits = qi.view(np.uint32)
-    low = np.uint32(0)
-    for r in range(bits.shape[0]):
-        row = bits[r]
-        for d in range(bits.shape[1]):
-            low |= row[d] & np.uint32(0xFFFF)
-    npq = 1 if low == 0 else 3
+    npq = 1 if exactly_bf16(qi.view(np.uint32)) else 3
     for h in range(H):
         pack_columns(qi, h, G, npq, QA[h], _cols(npq * G), stacked(QA, qi.shape[1]))
     return npq

@@ -259,6 +259,7 @@ else:
     _split, _exact, _pairs, _hi = _split_body, _exact_body, _pairs_body, _hi_body
 
 high = _high        # the high half of uint32 bits as int16 (public: `amx_tiles` packs parts with it)
+exactly_bf16 = _exact   # whether a float32 array's uint32 view [R, D] holds bfloat16 values only (`amx_decode`)
 
 
 # --------------------------------------------------------------------------------------------------------------
