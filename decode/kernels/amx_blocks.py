@@ -188,7 +188,7 @@ def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg):
     transpose_rows(ST, nbp, Rs, off, PT)
     parts = split_rows(PT, Rs, nbp, PA)
     value_pairs(v_pages, pages, h, b0, nb, VB)
-    amx_pv(PA, parts, VB, O, Rs, nbp, Dv, cfg)
+    amx_pv(PA, parts, VB, O, Rs, nbp, Dv, False, cfg)
 
 
 def scores_reference(Kt, QA, parts, nbp, Rp):

@@ -25,7 +25,8 @@ per kv head take the tiles: below, the per-query kernel's FMAs measured faster (
 
     FLAG                         the bit the plan sets in the per-query kernel's ``dot`` where the tiles run
     MIN_GROUP                    q heads per kv head from which the tiles take a query (measured)
-    decode_scratch(k_pages, v_pages, q, H, dot)  the buffers, empty where the tiles do not apply
+    takes_tiles(k_pages, v_pages, q, acc0, H, dot)  whether a call's queries take the tiles
+    decode_scratch(k_pages, v_pages, q, acc0, H, dot)  the buffers, empty where they do not
     prepare_query(qi, buf)       pack a query's columns for every kv head; returns its parts (1 or 3)
     attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc)
                                  one unit (a query over keys [lo, hi)): every kv head, into out_i (w < 0) or the
@@ -37,9 +38,8 @@ from numba import njit, types
 from .amx_blocks import stage_keys
 from .amx_tiles import HOST, amx_pv, amx_scores, tile_config
 from .bf16_dot import exactly_bf16, high as _high, split3
-from .gemm import transpose_rows
-from .register_blocks import pair_dim
-from .simd import EXP_FLAGS, FAST, JIT, borrow, exp, exp_inline, zeros64
+from .tile_softmax import block_softmax
+from .simd import FAST, JIT, borrow, zeros64
 
 FLAG = 8            # `dot`'s bit for the tiles; its low bits stay the `bf16_dot` mode of the other paths
 MIN_GROUP = 16      # q heads per kv head from which the tiles are faster (measured: docs/kernel.md, "AMX tiles")
@@ -77,13 +77,23 @@ def _buffers(H, D, Dv, G, use):
             np.zeros((H, G), np.float32), np.zeros(16, np.int64), tile_config(), np.zeros((3, _cols16(G)), np.float32))
 
 
-def decode_scratch(k_pages, v_pages, q, H, dot):
-    """The tiles' buffers for queries q [N, H * G, D] over bfloat16 pages (int16 bits), float32 q.k: ``dot`` has
-    FLAG, G >= MIN_GROUP, D and Dv multiples of 32; else empty ones (the first's shape[0] == 0)."""
-    D = q.shape[2]
-    Dv = v_pages.shape[3]
+def takes_tiles(k_pages, v_pages, q, acc0, H, dot):
+    """Whether queries q [N, H * G, D] take the tiles: bfloat16 pages (int16 bits), float32 q and q.k (acc0: a zero
+    of the accumulation dtype; float64 for precision="highest", which the tiles cannot give), ``dot`` has FLAG,
+    G >= MIN_GROUP, D and Dv multiples of 32 (and the build target has AMX)."""
+    return (HOST and k_pages.dtype == np.int16 and q.dtype == np.float32 and np.asarray(acc0).dtype == np.float32
+            and _fits(v_pages, q, H, dot))
+
+
+def _fits(v_pages, q, H, dot):
+    """`takes_tiles`' shape and flag conditions."""
     G = q.shape[1] // H
-    return _buffers(H, D, Dv, G, (dot & FLAG) != 0 and G >= MIN_GROUP and D % 32 == 0 and Dv % 32 == 0)
+    return (dot & FLAG) != 0 and G >= MIN_GROUP and q.shape[2] % 32 == 0 and v_pages.shape[3] % 32 == 0
+
+
+def decode_scratch(k_pages, v_pages, q, acc0, H, dot):
+    """The tiles' buffers where `takes_tiles`, else empty ones (the first's shape[0] == 0)."""
+    return _buffers(H, q.shape[2], v_pages.shape[3], q.shape[1] // H, takes_tiles(k_pages, v_pages, q, acc0, H, dot))
 
 
 def prepare_query(qi, buf):
@@ -188,62 +198,10 @@ def pair_values(v_pages, pages, h, b0, nb, VB):
                 dst[io + d] = 0
 
 
-def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
-    """The scores of a block, ST [nb, npq G columns] (part p of head g in column p G + g), summed over the parts
-    into W [nb, G16] (keys x heads, G16 = G rounded up to 16: the loops run over whole vectors of heads; the
-    columns past G are scratch), the online-softmax update (`blocks.softmax_block`'s: unscaled running max m, sums
-    l, O's rows p G + g rescaled when head g's max grew), W <- exp((W - m) * scale), then W^T into S [G16, nbp]
-    (16 x 16 transposes; keys nb..nbp zero)."""
-    GP = W.shape[1]
-    mb = red[0]
-    ls = red[1]
-    mr = red[2]
-    Dv = O.shape[1]
-    for j in range(nb):
-        if npq == 3:
-            for g in range(GP):
-                W[j, g] = ST[j, g] + ST[j, G + g] + ST[j, 2 * G + g]
-        else:
-            for g in range(GP):
-                W[j, g] = ST[j, g]
-        if j == 0:
-            for g in range(GP):
-                mb[g] = W[j, g]
-        else:
-            for g in range(GP):
-                mb[g] = max(mb[g], W[j, g])
-    for g in range(G):
-        if first:
-            m[g] = mb[g]
-            l[g] = 0.0
-        elif mb[g] > m[g]:
-            alpha = exp((m[g] - mb[g]) * scale)
-            for p in range(3):
-                for d in range(Dv):
-                    O[p * G + g, d] *= alpha
-            l[g] *= alpha
-            m[g] = mb[g]
-        mr[g] = m[g]
-    for g in range(G, GP):
-        mr[g] = mb[g]
-    for g in range(GP):
-        ls[g] = 0.0
-    for j in range(nb):
-        for g in range(GP):
-            e = exp_inline((W[j, g] - mr[g]) * scale)
-            W[j, g] = e
-            ls[g] += e
-    for j in range(nb, nbp):
-        for g in range(GP):
-            W[j, g] = 0.0
-    for g in range(G):
-        l[g] += ls[g]
-    transpose_rows(W, nbp, GP, off, S)
-
-
 def store_head(O, l, m, G, h, out_i, w, wm, wl, wacc):
     """Head group h's result: out_i[h * G + g] = (O[g] + O[G + g] + O[2 G + g]) / l[g] (w < 0), or the partial
-    (m, l, the sum) at slot w, its lanes in the pair order (`register_blocks.in_pairs`: the merge unpairs)."""
+    (m, l, the sum) at slot w, by dim (not in the pair order of the other bfloat16 paths: the merge is told,
+    `takes_tiles`)."""
     Dv = O.shape[1]
     for g in range(G):
         if w < 0:
@@ -253,9 +211,8 @@ def store_head(O, l, m, G, h, out_i, w, wm, wl, wacc):
         else:
             wm[w, h, g] = m[g]
             wl[w, h, g] = l[g]
-            for k in range(Dv):
-                d = pair_dim(k)
-                wacc[w, h, g, k] = O[g, d] + O[G + g, d] + O[2 * G + g, d]
+            for d in range(Dv):
+                wacc[w, h, g, d] = O[g, d] + O[G + g, d] + O[2 * G + g, d]
 
 
 def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc):
@@ -286,14 +243,10 @@ def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm,
             Oh = O[h]
             stage_keys(k_pages, pages, h, b0, nb, Kt)
             amx_scores(k_pages, pages, h, b0, nb, Kt, QA[h], tp, ST, R, cfg)
-            if b0 == lo:
-                for r in range(Rs):
-                    for d in range(Dv):
-                        Oh[r, d] = 0.0
             block_softmax(cp, G, nb, nbp, ST, W, S, off, red, m[h], l[h], Oh, b0 == lo, scale)
             split_weights(S, G, nbp, PA)
             pair_values(v_pages, pages, h, b0, nb, VB)
-            amx_pv(PA1, 1, VB, Oh, Rs, nbp, Dv, cfg)
+            amx_pv(PA1, 1, VB, Oh, Rs, nbp, Dv, b0 == lo, cfg)
         b0 = b1
     for h in range(H):
         store_head(O[h], l[h], m[h], G, h, out_i, w, wm, wl, wacc)
@@ -337,22 +290,27 @@ if JIT:
     pack_columns = njit(cache=True)(pack_columns)        # no fastmath: x - hi must be the exact difference
     stacked = njit(inline="always")(stacked)
     split_weights = njit(cache=True)(split_weights)      # no fastmath: as above
-    block_softmax = njit(cache=True, fastmath=EXP_FLAGS)(block_softmax)
     store_head = njit(cache=True, fastmath=FAST)(store_head)
     _attend_jit = njit(cache=True, fastmath=FAST)(attend_query) if HOST else None
 
     def _bf16_f32(k_pages, q):
         return isinstance(k_pages, types.Array) and k_pages.dtype == types.int16 and q.dtype == types.float32
 
+    _fits = njit(inline="always")(_fits)
+
+    @overload(takes_tiles, inline="always")
+    def _takes_tiles_ov(k_pages, v_pages, q, acc0, H, dot):
+        if HOST and _bf16_f32(k_pages, q) and acc0 == types.float32:
+            return lambda k_pages, v_pages, q, acc0, H, dot: _fits(v_pages, q, H, dot)
+        return lambda k_pages, v_pages, q, acc0, H, dot: False
+
     @overload(decode_scratch)
-    def _decode_scratch_ov(k_pages, v_pages, q, H, dot):
-        if HOST and _bf16_f32(k_pages, q):
-            def impl(k_pages, v_pages, q, H, dot):
-                G = q.shape[1] // H
-                return _buffers(H, q.shape[2], v_pages.shape[3], G, (dot & FLAG) != 0 and G >= MIN_GROUP
-                                and q.shape[2] % 32 == 0 and v_pages.shape[3] % 32 == 0)
-            return impl
-        return lambda k_pages, v_pages, q, H, dot: _buffers(0, 0, 0, 0, False)
+    def _decode_scratch_ov(k_pages, v_pages, q, acc0, H, dot):
+        def impl(k_pages, v_pages, q, acc0, H, dot):
+            if takes_tiles(k_pages, v_pages, q, acc0, H, dot):
+                return _buffers(H, q.shape[2], v_pages.shape[3], q.shape[1] // H, True)
+            return _buffers(0, 0, 0, 0, False)
+        return impl
 
     @overload(attend_query, inline="always")
     def _attend_query_ov(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc):

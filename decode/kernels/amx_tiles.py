@@ -17,8 +17,9 @@ A / B tile once for all the parts of the other operand.
                                   ST[:nb rounded up to 32, :Rp] = the block's keys (in place where whole 16-key
                                   groups lie in a page, else staged in Kt) . the parts' columns QA (Rp, D
                                   multiples of 32; `amx_blocks.pack_parts` lays them out)
-    amx_pv(PA, parts, VB, O, Rs, nbp, Dv, cfg)
-                                  O[:Rs, :Dv] += sum over parts of PA[p, :Rs, :nbp] . VB's key pairs
+    amx_pv(PA, parts, VB, O, Rs, nbp, Dv, init, cfg)
+                                  O[:Rs, :Dv] (+)= sum over parts of PA[p, :Rs, :nbp] . VB's key pairs (init: O's
+                                  old values are not read, the sums start from zero tiles)
 """
 import ctypes
 import os
@@ -74,8 +75,9 @@ def in_place(P, b0, g, nb):
     return P % 16 == 0 and b0 % 16 == 0 and g + 16 <= nb
 
 
-def amx_pv(PA, parts, VB, O, Rs, nbp, Dv, cfg):
-    """O[:Rs, :Dv] += sum over parts of PA[p, :Rs, :nbp] . VB's pairs (C: O's 16 x 16 blocks)."""
+def amx_pv(PA, parts, VB, O, Rs, nbp, Dv, init, cfg):
+    """O[:Rs, :Dv] += sum over parts of PA[p, :Rs, :nbp] . VB's pairs (C: O's 16 x 16 blocks); init: O[:Rs, :Dv] =
+    the sum (O not read)."""
     raise RuntimeError("amx_pv: this process cannot use AMX tiles (amx_tiles.usable() is False)")
 
 
@@ -218,7 +220,7 @@ if JIT:
                 _store_quad(ST, m0 * sc + n0, sc, ss)
         _tilerelease()
 
-    def _amx_pv_body(PA, parts, VB, O, Rs, nbp, Dv, cfg):
+    def _amx_pv_body(PA, parts, VB, O, Rs, nbp, Dv, init, cfg):
         oc = O.shape[1]
         pc = PA.shape[2]
         rpp = PA.shape[1] * pc
@@ -229,7 +231,13 @@ if JIT:
         _ldtilecfg(cfg)
         for r0 in range(0, Rs, 32):
             for d0 in range(0, Dv, 32):
-                _load_quad(O, r0 * oc + d0, oc, o_rs)
+                if init:
+                    _tilezero(0)
+                    _tilezero(1)
+                    _tilezero(2)
+                    _tilezero(3)
+                else:
+                    _load_quad(O, r0 * oc + d0, oc, o_rs)
                 for kb in range(0, nbp, 32):        # V's two tiles loaded once for every part
                     _tileload(6, VB, (kb // 2) * vc + d0, vb_rs)
                     _tileload(7, VB, (kb // 2) * vc + d0 + 16, vb_rs)
@@ -255,8 +263,9 @@ if JIT:
                 k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg)
 
         @overload(amx_pv, inline="always")
-        def _amx_pv_ov(PA, parts, VB, O, Rs, nbp, Dv, cfg):
-            return lambda PA, parts, VB, O, Rs, nbp, Dv, cfg: _amx_pv_jit(PA, parts, VB, O, Rs, nbp, Dv, cfg)
+        def _amx_pv_ov(PA, parts, VB, O, Rs, nbp, Dv, init, cfg):
+            return lambda PA, parts, VB, O, Rs, nbp, Dv, init, cfg: _amx_pv_jit(PA, parts, VB, O, Rs, nbp, Dv, init,
+                                                                                cfg)
     else:
         @overload(amx_scores, inline="always")
         def _amx_scores_ov(k_pages, pages, h, b0, nb, Kt, QA, parts, ST, Rp, cfg):
@@ -265,7 +274,7 @@ if JIT:
             return impl
 
         @overload(amx_pv, inline="always")
-        def _amx_pv_ov(PA, parts, VB, O, Rs, nbp, Dv, cfg):
-            def impl(PA, parts, VB, O, Rs, nbp, Dv, cfg):
+        def _amx_pv_ov(PA, parts, VB, O, Rs, nbp, Dv, init, cfg):
+            def impl(PA, parts, VB, O, Rs, nbp, Dv, init, cfg):
                 raise RuntimeError("amx_pv: this build target has no AMX tiles")
             return impl

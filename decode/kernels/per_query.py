@@ -13,7 +13,7 @@ uint16 [num_pages, num_kv_heads, page_size, ceil(width / 32)] (int8); acc0: a ze
 import numpy as np
 from numba import njit, prange
 
-from .amx_decode import attend_query, decode_scratch, prepare_query
+from .amx_decode import attend_query, decode_scratch, prepare_query, takes_tiles
 from .bf16_dot import q_buffers, split_query
 from .blocks import load_heads, normalise, softmax_block, unit_range
 from .loaders import key_scratch, score_rows, tile_scales, value_rows
@@ -143,7 +143,7 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     P = k_pages.shape[2]
     RC = 16
     qs = np.full((H, G, D), acc0)      # q.k accumulated in acc0's dtype
-    ax = decode_scratch(k_pages, v_pages, q, H, dot)    # the AMX tiles' buffers (empty: they do not apply)
+    ax = decode_scratch(k_pages, v_pages, q, acc0, H, dot)    # the AMX tiles' buffers (empty: they do not apply)
     amx = ax[0].shape[0] > 0
     mode = dot % 8
     qb, qf = q_buffers(k_pages, qs)    # q as bfloat16 parts / float32 halves (empty unless bfloat16 pages and
@@ -200,6 +200,14 @@ def merge_items(out, items, a, b, wm, wl, wacc, scale, pairs):
             unpair(out[items[it, 0]], Dv - Dv % 32)
 
 
+@njit(inline="always")
+def paired_partials(k_pages, v_pages, q, acc0, dot):
+    """Whether the partials of split queries hold their lanes in the pair order (`register_blocks.in_pairs`:
+    bfloat16 values into float32 accumulators) for the merge to unpair: not where the AMX tiles take the queries
+    (`amx_decode.takes_tiles`), whose partials are by dim."""
+    return in_pairs(v_pages, q) and not takes_tiles(k_pages, v_pages, q, acc0, k_pages.shape[1], dot)
+
+
 @njit(cache=True, fastmath=FAST)
 def _workspace(q, H, Dv, num_slots):
     G = q.shape[1] // H
@@ -216,7 +224,7 @@ def query_serial(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_ind
     zero = np.int64(0)               # not the literal 0: the serial and parallel kernels share one compiled body
     query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos, window,
                 scale, out, units, zero, n, block, ahead, wm, wl, wacc, acc0, dot)
-    merge_items(out, items, zero, items.shape[0], wm, wl, wacc, scale, in_pairs(v_pages, q))
+    merge_items(out, items, zero, items.shape[0], wm, wl, wacc, scale, paired_partials(k_pages, v_pages, q, acc0, dot))
     return out
 
 
@@ -233,9 +241,10 @@ def query_parallel(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_i
         query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indptr, query_seq, query_pos,
                     window, scale, out, units, bounds[ck], bounds[ck + 1], block, ahead, wm, wl, wacc, acc0, dot)
     n = items.shape[0]
+    pairs = paired_partials(k_pages, v_pages, q, acc0, dot)
     if n >= nch and wacc.size >= 1 << 16:
         for ck in prange(nch):
-            merge_items(out, items, ck * n // nch, (ck + 1) * n // nch, wm, wl, wacc, scale, in_pairs(v_pages, q))
+            merge_items(out, items, ck * n // nch, (ck + 1) * n // nch, wm, wl, wacc, scale, pairs)
     else:
-        merge_items(out, items, np.int64(0), n, wm, wl, wacc, scale, in_pairs(v_pages, q))
+        merge_items(out, items, np.int64(0), n, wm, wl, wacc, scale, pairs)
     return out

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.kernel
 TILES = pytest.mark.skipif(not amx_tiles.usable(), reason="AMX tiles: the CPU lacks them or the OS refused")
 MODES = ((1, 0), (2, 0), (2, 40))      # serial, parallel, parallel with key ranges cut every 40 tokens (partials)
 NAN_BITS = 0x7FC0
+F32 = np.float32(0.0)       # a zero of the float32 q.k accumulation (the kernels' acc0)
 
 
 class Scene:
@@ -53,14 +54,14 @@ class Scene:
         self.q = naive.bf16_values(naive.bf16_bits(q)).astype(np.float32) if bf16_q else q
         self.scale, self.window = 1.0 / math.sqrt(D), window
 
-    def run(self, mode=0, split_tokens=0, only=None):
+    def run(self, mode=0, split_tokens=0, only=None, precision="default"):
         """All queries, or those at the indices ``only`` (a smaller batch)."""
         pick = slice(None) if only is None else np.asarray(only)
         q = np.ascontiguousarray(self.q[pick])
         out = np.full((len(q), q.shape[1], self.vb.shape[3]), np.nan, np.float32)
         return attend_unchecked(q, self.kb, self.vb, self.page_indices, self.page_indptr, self.query_seq[pick],
                                 self.query_pos[pick], self.scale, self.window, out, storage="bfloat16", mode=mode,
-                                split_tokens=split_tokens, tiled=False)
+                                split_tokens=split_tokens, tiled=False, precision=precision)
 
     def check(self, out):
         naive.check_bf16(out, self.q, self.kb, self.vb, self.page_indices, self.page_indptr, self.query_seq,
@@ -79,7 +80,7 @@ def test_pack_columns_is_exact(G):
         if bf16_q:
             q = naive.bf16_values(naive.bf16_bits(q)).astype(np.float32)
         buf = amx_decode.decode_scratch(np.zeros((1, H, 16, D), np.int16), np.zeros((1, H, 16, D), np.int16),
-                                        q[None], H, amx_decode.FLAG)
+                                        q[None], F32, H, amx_decode.FLAG)
         buf[0][:] = 5 if G % 32 else 0
         npq = amx_decode.prepare_query(q, buf)
         assert npq == (1 if bf16_q else 3)
@@ -171,14 +172,31 @@ def test_tiles_taken_from_min_group(monkeypatch):
     assert np.array_equal(on[1], off[1])
 
 
+@TILES
+def test_highest_precision_is_not_taken(monkeypatch):
+    """precision="highest" (q.k in float64) never takes the tiles, whose sums are float32: its bits are those of
+    the per-query kernel's float64 path (the tiles off), in every mode, partials included."""
+    scene = Scene(np.random.default_rng(12), D=64, group=amx_decode.MIN_GROUP, P=16, lengths=(90, 300))
+    on = [scene.run(mode=m, split_tokens=split, precision="highest") for m, split in MODES]
+    default = scene.run()
+    monkeypatch.setenv(amx_tiles.ENV, "0")
+    off = [scene.run(mode=m, split_tokens=split, precision="highest") for m, split in MODES]
+    for a, b in zip(on, off):
+        assert np.array_equal(a, b)
+    assert not np.array_equal(on[0], default)
+
+
 def test_no_tiles_without_the_flag():
-    """Without FLAG in ``dot`` (or below MIN_GROUP, or head_dim not a multiple of 32) the buffers are empty: the
-    per-query kernel keeps its own path."""
+    """Without FLAG in ``dot`` (or below MIN_GROUP, head_dim not a multiple of 32, float64 q.k) the buffers are
+    empty: the per-query kernel keeps its own path."""
     pages = np.zeros((1, 1, 16, 64), np.int16)
     q = np.zeros((1, 32, 64), np.float32)
-    assert amx_decode.decode_scratch(pages, pages, q, 1, 1)[0].shape[0] == 0
-    assert amx_decode.decode_scratch(pages, pages, q[:, :amx_decode.MIN_GROUP - 1], 1, amx_decode.FLAG)[0].shape[0] == 0
+    flag = amx_decode.FLAG
+    assert amx_decode.decode_scratch(pages, pages, q, F32, 1, 1)[0].shape[0] == 0
+    assert amx_decode.decode_scratch(pages, pages, q[:, :amx_decode.MIN_GROUP - 1], F32, 1, flag)[0].shape[0] == 0
     odd = np.zeros((1, 1, 16, 48), np.int16)
-    assert amx_decode.decode_scratch(odd, odd, np.zeros((1, 32, 48), np.float32), 1, amx_decode.FLAG)[0].shape[0] == 0
+    assert amx_decode.decode_scratch(odd, odd, np.zeros((1, 32, 48), np.float32), F32, 1, flag)[0].shape[0] == 0
+    assert amx_decode.decode_scratch(pages, pages, q, np.float64(0.0), 1, flag)[0].shape[0] == 0
+    assert amx_decode.decode_scratch(pages.view(np.uint16), pages.view(np.uint16), q, F32, 1, flag)[0].shape[0] == 0
     if JIT and amx_tiles.HOST:
-        assert amx_decode.decode_scratch(pages, pages, q, 1, amx_decode.FLAG)[0].shape[0] > 0
+        assert amx_decode.decode_scratch(pages, pages, q, F32, 1, flag)[0].shape[0] > 0
