@@ -8,9 +8,10 @@ step or extend). Runs of >= `route_min_run(group, head_dim, storage)` queries, b
 per-query kernel (`decode.kernels.per_query`).
 
 Determinism (docs/kernel.md): key ranges are cut at absolute multiples of a piece length that depends on the
-model's shapes and the page size only (`SPLIT_TOKENS`, `TILED_SPLIT`), never on the thread count or on the other
-queries of the call; threads only decide who computes a unit, and partial states are merged in key order. So a
-sequence's output is bitwise the same alone, in any batch, on any number of threads, with any page placement.
+model's shapes, the page size and whether the AMX tiles run (`SPLIT_TOKENS`, `AMX_SPLIT_TOKENS`,
+`TILED_SPLIT`), never on the thread count or on the other queries of the call; threads only decide who computes
+a unit, and partial states are merged in key order. So a sequence's output is bitwise the same alone, in any
+batch, on any number of threads, with any page placement.
 
 Also here, each in one place: the compute-dtype rule (`compute_dtype`), the accumulation dtype of q.k
 (`accumulator`), the kernels' view of a storage format (`kernel_view`: float16 pages as uint16, bfloat16 bits as
@@ -36,6 +37,8 @@ from .kernels.units import find_runs, plan_tiles, plan_units
 SERIAL_WORK = 1 << 19        # visible tokens * num_q_heads * (head_dim + head_dim_v) below this: no threads
 SPLIT_TOKENS = 256           # key ranges are cut at absolute multiples of this (rounded up to whole blocks):
                              # the same for every head count, so a head-sharded worker cuts as one process does
+AMX_SPLIT_TOKENS = 1024      # ... and of this where the AMX tiles take the queries (`amx_decode.shapes_fit`): each
+                             # piece costs a merge slot and a first block; MQA-32768 hot, 2 threads, 1.69 -> 1.43 ms
 BLOCK_TOKENS = 64            # keys per online-softmax block (rounded down to whole pages, at least one page)
 PREFETCH_BYTES = 4096        # software prefetch distance along the walk of K and V runs
 # tiled kernel
@@ -210,18 +213,19 @@ class QueryPlan:
     ``split`` tokens (`units.plan_units`; empty when no query is cut and the call is serial: one unit per query),
     bounds [chunks + 1], items [n_split, 3]. block: keys per online-softmax block; ahead: prefetch distance;
     dot: the vdpbf16ps mode for bfloat16 pages (`bf16_dot.plan_mode`), with `amx_decode.FLAG` where the AMX tiles
-    run (`amx_tiles.usable`: bfloat16 pages of >= `amx_decode.MIN_GROUP` q heads per kv head take them)."""
+    run (`amx_tiles.usable`: bfloat16 pages of >= `amx_decode.MIN_GROUP` q heads per kv head take them). tiles:
+    whether they take these queries (the caller knows the storage and the group): pieces of `AMX_SPLIT_TOKENS`."""
 
     __slots__ = ("serial", "block", "ahead", "split", "units", "bounds", "items", "num_slots", "acc0", "dot")
 
     def __init__(self, query_pos, window, num_q_heads, head_dim, head_dim_v, page_size, acc0, *, mode=0,
-                 split_tokens=0, threads=None):
+                 split_tokens=0, threads=None, tiles=False):
         self.block = block = page_size * max(1, BLOCK_TOKENS // page_size)
         self.ahead = PREFETCH_BYTES
         self.acc0 = acc0
         self.dot = bf16_dot.plan_mode() | (amx_decode.FLAG if amx_tiles.usable() else 0)
         width = num_q_heads * (head_dim + head_dim_v)
-        split = split_tokens if split_tokens > 0 else SPLIT_TOKENS
+        split = split_tokens if split_tokens > 0 else (AMX_SPLIT_TOKENS if tiles else SPLIT_TOKENS)
         self.split = split = -(-split // block) * block
         nthreads = numba.get_num_threads() if threads is None else threads
         self.serial = mode == 1 or (mode == 0 and (nthreads < 2 or visible_work(query_pos, window) * width
@@ -319,8 +323,11 @@ class AttentionPlan:
                 self.rest = rest
         rest_pos = query_pos if self.rest is None else query_pos[self.rest]
         if len(rest_pos):
+            tiles = (amx_tiles.usable() and isinstance(storage, str) and storage == BFLOAT16
+                     and acc0.dtype == np.float32
+                     and amx_decode.shapes_fit(num_q_heads // num_kv_heads, head_dim, head_dim_v))
             self.single = QueryPlan(rest_pos, window, num_q_heads, head_dim, head_dim_v, page_size, acc0, mode=mode,
-                                    split_tokens=split_tokens, threads=threads)
+                                    split_tokens=split_tokens, threads=threads, tiles=tiles)
 
     def run(self, q, k_pages, v_pages, page_indices, page_indptr, scale, window, out, k_scales=None, v_scales=None):
         """One layer: ``out [N, num_q_heads, head_dim_v]`` of ``q [N, num_q_heads, head_dim]`` (checked, compute

@@ -25,6 +25,7 @@ per kv head take the tiles: below, the per-query kernel's FMAs measured faster (
 
     FLAG                         the bit the plan sets in the per-query kernel's ``dot`` where the tiles run
     MIN_GROUP                    q heads per kv head from which the tiles take a query (measured)
+    shapes_fit(G, D, Dv)         whether the tiles take these shapes (the plan asks too: `AMX_SPLIT_TOKENS`)
     takes_tiles(k_pages, v_pages, q, acc0, H, dot)  whether a call's queries take the tiles
     decode_scratch(k_pages, v_pages, q, acc0, H, dot)  the buffers, empty where they do not
     prepare_query(qi, buf)       pack a query's columns for every kv head; returns its parts (1 or 3)
@@ -80,15 +81,19 @@ def _buffers(H, D, Dv, G, use):
 def takes_tiles(k_pages, v_pages, q, acc0, H, dot):
     """Whether queries q [N, H * G, D] take the tiles: bfloat16 pages (int16 bits), float32 q and q.k (acc0: a zero
     of the accumulation dtype; float64 for precision="highest", which the tiles cannot give), ``dot`` has FLAG,
-    G >= MIN_GROUP, D and Dv multiples of 32 (and the build target has AMX)."""
-    return (HOST and k_pages.dtype == np.int16 and q.dtype == np.float32 and np.asarray(acc0).dtype == np.float32
+    G >= MIN_GROUP, D and Dv multiples of 32; compiled, also that the build target has AMX (HOST)."""
+    return (k_pages.dtype == np.int16 and q.dtype == np.float32 and np.asarray(acc0).dtype == np.float32
             and _fits(v_pages, q, H, dot))
+
+
+def shapes_fit(G, D, Dv):
+    """Whether the tiles take these shapes: G >= MIN_GROUP q heads per kv head, head_dim D and Dv multiples of 32."""
+    return G >= MIN_GROUP and D % 32 == 0 and Dv % 32 == 0
 
 
 def _fits(v_pages, q, H, dot):
     """`takes_tiles`' shape and flag conditions."""
-    G = q.shape[1] // H
-    return (dot & FLAG) != 0 and G >= MIN_GROUP and q.shape[2] % 32 == 0 and v_pages.shape[3] % 32 == 0
+    return (dot & FLAG) != 0 and shapes_fit(q.shape[1] // H, q.shape[2], v_pages.shape[3])
 
 
 def decode_scratch(k_pages, v_pages, q, acc0, H, dot):
@@ -296,6 +301,7 @@ if JIT:
     def _bf16_f32(k_pages, q):
         return isinstance(k_pages, types.Array) and k_pages.dtype == types.int16 and q.dtype == types.float32
 
+    shapes_fit = njit(inline="always")(shapes_fit)
     _fits = njit(inline="always")(_fits)
 
     @overload(takes_tiles, inline="always")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import decode.attention_plan as AP
 from decode.attention_plan import attend_unchecked
 from decode.kernels import amx_blocks, amx_decode, amx_tiles
 from decode.kernels.simd import JIT, zeros64
@@ -142,6 +143,25 @@ def test_grid(decode_case):
     assert np.array_equal(outs[1, 0], outs[2, 0])
     for i in range(len(scene.q)):
         assert np.array_equal(scene.run(mode=2, only=[i])[0], outs[2, 0][i])
+
+
+@TILES
+def test_long_contexts_in_pieces_of_the_tiles():
+    """Where the tiles take the queries the plan cuts key ranges every AMX_SPLIT_TOKENS (a whole number of
+    blocks; other formats and precision="highest" every SPLIT_TOKENS). Contexts of several pieces: within budget,
+    the same bits serial and parallel, and for a query alone as in the batch."""
+    assert AP.AMX_SPLIT_TOKENS % amx_decode.BLOCK == 0 and AP.AMX_SPLIT_TOKENS > AP.SPLIT_TOKENS
+    pos = np.array([3000], np.int64)
+    shapes = (np.zeros(1, np.int32), pos, 0, (1, 32, 64), (4, 2, 16, 64))
+    assert AP.AttentionPlan(*shapes, "bfloat16").single.split == AP.AMX_SPLIT_TOKENS
+    assert AP.AttentionPlan(*shapes, "bfloat16", precision="highest").single.split == AP.SPLIT_TOKENS
+    assert AP.AttentionPlan(*shapes, np.float16).single.split == AP.SPLIT_TOKENS
+    scene = Scene(np.random.default_rng(13), D=64, group=16, P=32, lengths=(2600, 1100), H=1)
+    serial, parallel = scene.run(mode=1), scene.run(mode=2)
+    scene.check(serial)
+    assert np.array_equal(serial, parallel)
+    for i in range(len(scene.q)):
+        assert np.array_equal(scene.run(mode=2, only=[i])[0], parallel[i])
 
 
 @TILES
