@@ -9,10 +9,11 @@ output element, is the float32 sum of its parts' sums: per kv head and block of 
     ST [nb, cols]      =  K_block . QA          (`amx_tiles.amx_scores`; K in place where whole 16-key groups lie
                                                   in a page, else staged)
     W [nb, G]          =  the sum over parts of ST's columns, then the online softmax over keys x heads (unscaled
-                          running max m, sum l; O's rows of head g rescaled with it), exp((W - max) * scale)
+                          running max m, sum l; O's rows of head g rescaled with it), exp((W - max) * scale): a
+                          whole row of 16 heads per 512-bit op (`tile_softmax`)
     S [G, nb]          <- W^T  (16 x 16 register transposes, `gemm.transpose_rows`)
     PA [3 G, nb]       <- S split into three exact parts, rows p * G + g
-    O [3 G, Dv]        += PA . V_block's key pairs (`amx_tiles.amx_pv`)
+    O [3 G, Dv]        += PA . V_block's key pairs (`amx_tiles.amx_pv`; a unit's first block from zero tiles)
 
 and the output row of head g is (O[g] + O[G + g] + O[2 G + g]) / l[g]. Where G is a multiple of 32 (the heads
 alone fill whole tiles) the query's parts are stacked along head_dim instead (`stacked`) and the tile unit sums
@@ -31,7 +32,7 @@ per kv head take the tiles: below, the per-query kernel's FMAs measured faster (
     prepare_query(qi, buf)       pack a query's columns for every kv head; returns its parts (1 or 3)
     attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm, wl, wacc)
                                  one unit (a query over keys [lo, hi)): every kv head, into out_i (w < 0) or the
-                                 partial slot w (wacc in the pair order the merge expects)
+                                 partial slot w (wacc by dim: `per_query.paired_partials` tells the merge)
 """
 import numpy as np
 from numba import njit, types
