@@ -17,7 +17,9 @@
     amx_blocks.py the tiled kernel's block steps around them: q / weights split into exact bfloat16 parts, keys
                   staged, value rows paired, the score epilogue
     amx_decode.py the per-query kernel's walk on the tiles for groups of >= 16 q heads per kv head: the parts as
-                  columns / rows, the softmax over keys x heads, value rows paired by an IR interleave
+                  columns / rows, value rows paired by an IR interleave
+    tile_softmax.py its online softmax over a block of scores laid out keys x heads, 16 heads per 512-bit vector
+                  in LLVM IR
     simd.py       scalar and SIMD helpers: element loads, prefetch hints and page touches (address translations
                   ahead of the hints), borrowed arrays, exact 2**n, lane reductions, polynomial exp (each with a
                   plain-Python twin for NUMBA_DISABLE_JIT), zero arrays on 64-byte rows
