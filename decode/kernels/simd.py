@@ -338,6 +338,9 @@ _C2_F = np.float32(8.3334519073e-3)
 _C3_F = np.float32(4.1665795894e-2)
 _C4_F = np.float32(1.6666665459e-1)
 _C5_F = np.float32(5.0000001201e-1)
+# the float32 exp's constants, for code that emits the same polynomial itself (`tile_softmax`'s IR): the clamp,
+# log2(e), ln 2's two halves, the polynomial's coefficients C0..C5
+EXPF_CONSTANTS = (_EXP_MIN_F, _LOG2E_F, _LN2_HI_F, _LN2_LO_F, (_C0_F, _C1_F, _C2_F, _C3_F, _C4_F, _C5_F))
 
 
 def _expf_body(x):

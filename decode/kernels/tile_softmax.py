@@ -91,7 +91,9 @@ if JIT:
     from numba.core import cgutils as _cg
     from numba.extending import intrinsic, overload
 
-    from .simd import _C0_F, _C1_F, _C2_F, _C3_F, _C4_F, _C5_F, _EXP_MIN_F, _LN2_HI_F, _LN2_LO_F, _LOG2E_F
+    from .simd import EXPF_CONSTANTS
+
+    _EXP_MIN, _LOG2E, _LN2_HI, _LN2_LO, _POLY = EXPF_CONSTANTS
 
     _F32 = _ir.FloatType()
     _VF = _ir.VectorType(_F32, LANES)
@@ -107,12 +109,12 @@ if JIT:
 
     def _exp_ir(builder, x):
         """`simd._expf_body` on 16 lanes (its operations in its order)."""
-        x = _vcall(builder, "llvm.maxnum.v16f32", x, _splat(_EXP_MIN_F))
-        n = _vcall(builder, "llvm.floor.v16f32", builder.fadd(builder.fmul(x, _splat(_LOG2E_F)), _splat(0.5)))
-        r = builder.fsub(x, builder.fmul(n, _splat(_LN2_HI_F)))
-        r = builder.fsub(r, builder.fmul(n, _splat(_LN2_LO_F)))
-        p = builder.fadd(builder.fmul(_splat(_C0_F), r), _splat(_C1_F))
-        for c in (_C2_F, _C3_F, _C4_F, _C5_F):
+        x = _vcall(builder, "llvm.maxnum.v16f32", x, _splat(_EXP_MIN))
+        n = _vcall(builder, "llvm.floor.v16f32", builder.fadd(builder.fmul(x, _splat(_LOG2E)), _splat(0.5)))
+        r = builder.fsub(x, builder.fmul(n, _splat(_LN2_HI)))
+        r = builder.fsub(r, builder.fmul(n, _splat(_LN2_LO)))
+        p = builder.fadd(builder.fmul(_splat(_POLY[0]), r), _splat(_POLY[1]))
+        for c in _POLY[2:]:
             p = builder.fadd(builder.fmul(p, r), _splat(c))
         y = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), _splat(1.0))
         e = builder.shl(builder.add(builder.fptosi(n, _VI), _ir.Constant(_VI, [127] * LANES)),
