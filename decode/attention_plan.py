@@ -112,9 +112,12 @@ ROUTE_MIN_RUN = {
 # and its products take other costs, so the lengths differ. Measured on the 2-vCPU Intel guest with AMX (2026-12-06,
 # main at 0095f0d; the same command, `--storages bfloat16`, both q dtypes; benchmarks/results/routing-intel-amx-
 # 2026-12-06*.jsonl), lengths (worst loss): d128 G1 6 (1.09), G2 5 (1.00), G4 4 (1.08), G8 3 (1.00), G16+ 2 (1.00);
-# d64 G1 7 (1.06), G2 6 (1.04), G4 5 (1.08), G8 3 (1.00), G16+ 2 (1.00).
+# d64 G1 7 (1.06), G2 6 (1.04), G4 5 (1.08), G8 3 (1.00), G16+ 2 (1.00). Re-measured for G16 / G32 once decode
+# queries of those groups ran on the tiles faster (2026-12-07, main at c392bca, `--groups 16,32 --tokens 2,3,4,5`,
+# contexts 512 / 2048 / 4096; routing-intel-amx-2026-12-07-c392bca.jsonl): d64 G32 runs of 2-3 now lose tiled
+# (tiled / per-query 1.04-1.14 at T = 2, 1.00-1.13 at T = 3), so d64 G32+ 4 (1.10); the rest unchanged.
 ROUTE_MIN_RUN_AMX = {
-    64: ((1, 7), (2, 6), (4, 5), (8, 3), (16, 2)),
+    64: ((1, 7), (2, 6), (4, 5), (8, 3), (16, 2), (32, 4)),
     128: ((1, 6), (2, 5), (4, 4), (8, 3), (16, 2)),
 }
 
