@@ -217,7 +217,8 @@ class QueryPlan:
     bounds [chunks + 1], items [n_split, 3]. block: keys per online-softmax block; ahead: prefetch distance;
     dot: the vdpbf16ps mode for bfloat16 pages (`bf16_dot.plan_mode`), with `amx_decode.FLAG` where the AMX tiles
     run (`amx_tiles.usable`: bfloat16 pages of >= `amx_decode.MIN_GROUP` q heads per kv head take them). tiles:
-    whether they take these queries (the caller knows the storage and the group): pieces of `AMX_SPLIT_TOKENS`."""
+    whether the storage, precision and shapes suit them (the caller knows those): with FLAG set, pieces of
+    `AMX_SPLIT_TOKENS`."""
 
     __slots__ = ("serial", "block", "ahead", "split", "units", "bounds", "items", "num_slots", "acc0", "dot")
 
@@ -228,7 +229,8 @@ class QueryPlan:
         self.acc0 = acc0
         self.dot = bf16_dot.plan_mode() | (amx_decode.FLAG if amx_tiles.usable() else 0)
         width = num_q_heads * (head_dim + head_dim_v)
-        split = split_tokens if split_tokens > 0 else (AMX_SPLIT_TOKENS if tiles else SPLIT_TOKENS)
+        amx = tiles and (self.dot & amx_decode.FLAG) != 0
+        split = split_tokens if split_tokens > 0 else (AMX_SPLIT_TOKENS if amx else SPLIT_TOKENS)
         self.split = split = -(-split // block) * block
         nthreads = numba.get_num_threads() if threads is None else threads
         self.serial = mode == 1 or (mode == 0 and (nthreads < 2 or visible_work(query_pos, window) * width
@@ -326,8 +328,7 @@ class AttentionPlan:
                 self.rest = rest
         rest_pos = query_pos if self.rest is None else query_pos[self.rest]
         if len(rest_pos):
-            tiles = (amx_tiles.usable() and isinstance(storage, str) and storage == BFLOAT16
-                     and acc0.dtype == np.float32
+            tiles = (isinstance(storage, str) and storage == BFLOAT16 and acc0.dtype == np.float32
                      and amx_decode.shapes_fit(num_q_heads // num_kv_heads, head_dim, head_dim_v))
             self.single = QueryPlan(rest_pos, window, num_q_heads, head_dim, head_dim_v, page_size, acc0, mode=mode,
                                     split_tokens=split_tokens, threads=threads, tiles=tiles)

@@ -207,7 +207,7 @@ def pair_values(v_pages, pages, h, b0, nb, VB):
 def store_head(O, l, m, G, h, out_i, w, wm, wl, wacc):
     """Head group h's result: out_i[h * G + g] = (O[g] + O[G + g] + O[2 G + g]) / l[g] (w < 0), or the partial
     (m, l, the sum) at slot w, by dim (not in the pair order of the other bfloat16 paths: the merge is told,
-    `takes_tiles`)."""
+    `per_query.paired_partials`)."""
     Dv = O.shape[1]
     for g in range(G):
         if w < 0:
