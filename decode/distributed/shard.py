@@ -194,8 +194,9 @@ class Shard:
         if action == "hold" and where == "run":
             self.fault = None
             path, seconds = argument
-            with open(path, "w") as f:
+            with open(path + ".tmp", "w") as f:       # published whole: a watcher never reads it half written
                 f.write(str(os.getpid()))
+            os.replace(path + ".tmp", path)
             time.sleep(seconds)
         elif action == f"exit_in_{where}":
             os._exit(17)
