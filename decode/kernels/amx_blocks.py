@@ -15,7 +15,8 @@ thread count).
     amx_block(...)                the score block: keys staged where not read in place, the tile GEMM, then `gemm`'s
                                   SCALE / COLMAX epilogue
     value_scratch(...)            the PV block's buffers (empty where the tiles do not take PV)
-    amx_values(...)               the PV block: O rescaled, P split and transposed, value rows paired, the tile GEMM
+    amx_values(...)               the PV block: O rescaled, P split and transposed (unless done: `tile_softmax`),
+                                  value rows paired, the tile GEMM
     scores_reference(...)         the score GEMM's NumPy twin (the same products; float64 sums: a test oracle)
 """
 import numpy as np
@@ -167,28 +168,31 @@ def value_pairs(v_pages, pages, h, b0, nb, VB):
             dst[d] = 0
 
 
-def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg):
-    """O[:Rp, :Dv] (times alpha[r] first where ``rescale``) += P . V on the tiles, P = ST[:nb, :Rp] (keys x rows,
-    the softmax's weights) split exactly into bfloat16 parts, V the block's bfloat16 rows. ST's rows nb.. are set
-    to zero; O has at least Rp rounded up to 32 rows."""
+def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, split):
+    """O[:Rp, :Dv] (times alpha[r] first where ``rescale``; rows whose alpha is 1 are left as they are) += P . V
+    on the tiles, P = ST[:nb, :Rp] (keys x rows, the softmax's weights) split exactly into bfloat16 parts, V the
+    block's bfloat16 rows. ST's rows nb.. are set to zero; O has at least Rp rounded up to 32 rows. ``split``:
+    P's parts are in pv's PA already (`tile_softmax.weight_parts`), ST is not read."""
     Dv = v_pages.shape[3]
     nbp = -(-nb // 32) * 32
     Rs = -(-Rp // 32) * 32
     if rescale:
         for r in range(Rp):
             a = alpha[r]
-            row = O[r]
-            for d in range(Dv):
-                row[d] *= a
-    for j in range(nb, nbp):
-        row = ST[j]
-        for r in range(Rs):
-            row[r] = 0.0
+            if a != 1.0:
+                row = O[r]
+                for d in range(Dv):
+                    row[d] *= a
     PT, PA, VB, off = pv
-    transpose_rows(ST, nbp, Rs, off, PT)
-    parts = split_rows(PT, Rs, nbp, PA)
+    if not split:
+        for j in range(nb, nbp):
+            row = ST[j]
+            for r in range(Rs):
+                row[r] = 0.0
+        transpose_rows(ST, nbp, Rs, off, PT)
+        split_rows(PT, Rs, nbp, PA)
     value_pairs(v_pages, pages, h, b0, nb, VB)
-    amx_pv(PA, parts, VB, O, Rs, nbp, Dv, False, cfg)
+    amx_pv(PA, 3, VB, O, Rs, nbp, Dv, False, cfg)
 
 
 def scores_reference(Kt, QA, parts, nbp, Rp):
@@ -231,11 +235,11 @@ if JIT:
     _amx_values_jit = njit(cache=True, fastmath=FAST)(amx_values) if HOST else None
 
     @overload(amx_values, inline="always")
-    def _amx_values_ov(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg):
+    def _amx_values_ov(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, split):
         if HOST and v_pages.dtype == types.int16 and O.dtype == types.float32:
-            return lambda v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg: _amx_values_jit(
-                v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg)
-        return lambda v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg: None
+            return lambda v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, split: _amx_values_jit(
+                v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, split)
+        return lambda v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, split: None
 
     @overload(value_scratch)
     def _value_scratch_ov(v_pages, O, block, rows, dot):

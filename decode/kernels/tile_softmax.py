@@ -1,5 +1,6 @@
-"""The online softmax of a block of scores laid out keys x q heads (`amx_decode`'s step between its two tile
-products), 16 heads to a 512-bit vector in LLVM IR.
+"""The online softmax of a block of scores laid out keys x columns (q heads of a decode query, `amx_decode`; rows
+of a tile, `tiled`), the step between the two tile products of the AMX paths, 16 columns to a 512-bit vector in
+LLVM IR.
 
 A decode query's scores come off the AMX tiles as ST [keys, columns], column p * G + g holding part p of q head g
 (`amx_decode`). Per block the heads' maxima, the weights exp((s - max) * scale) and their sums are taken over
@@ -20,6 +21,7 @@ operations lane by lane; each has a plain-Python twin for NUMBA_DISABLE_JIT.
 import numpy as np
 from numba import njit, types
 
+from .bf16_dot import high, split3
 from .gemm import transpose_rows
 from .simd import EXP_FLAGS, JIT, exp, exp_inline
 
@@ -84,6 +86,38 @@ def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
     for g in range(G):
         l[g] += red[1, g]
     transpose_rows(W, nbp, GP, off, S)
+
+
+def weight_parts(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
+    """PA[p, r, j] = the bfloat16 bits of part p (`bf16_dot.split3`: hi, mid, lo by truncation, summing exactly
+    to the weight) of the weight exp_inline(ST[j, r] - m[r]) for r < Rp, j < nb (``masked``: only where jlo[r] <=
+    j <= jhi[r], else 0; m[r] is the maximum over those keys); 0 for nb <= j < nbp and for Rp <= r < Rs. l[r] += the
+    weights, in key order. ST [>= nbp, >= Rs] float32 (keys x rows: a block's scaled scores), m [>= Rp] the rows'
+    new running maxima, PA int16 [3, >= Rs, >= nbp], jlo / jhi int32 [>= Rp]; Rp, Rs, nbp multiples of 16. What
+    `tiled._softmax_block` followed by `gemm.transpose_rows` and `amx_blocks.split_rows` leave in PA and l, in
+    one pass."""
+    for r in range(Rs):
+        s = l[r] if r < Rp else np.float32(0.0)
+        for j in range(nbp):
+            e = np.float32(0.0)
+            if (r < Rp) & (j < nb):
+                d = ST[j, r] - m[r]
+                if not masked:
+                    e = exp_inline(d)
+                elif (j >= jlo[r]) & (j <= jhi[r]):
+                    e = exp_inline(d)
+            a, b, c = split3(e, np.float32(e).view(np.uint32))
+            PA[0, r, j] = high(a)
+            PA[1, r, j] = high(b)
+            PA[2, r, j] = high(c)
+            s = s + e
+        if r < Rp:
+            l[r] = s
+
+
+def run_weight_parts(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
+    """`weight_parts` called as the tiled kernel calls it (from jitted code: its IR under the JIT): for tests."""
+    weight_parts(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
 
 
 if JIT:
@@ -188,6 +222,123 @@ if JIT:
             return context.get_dummy_value()
         return types.void(W, red, nb, nbp, g0, scale), codegen
 
+    _I16V = _ir.VectorType(_ir.IntType(16), LANES)
+    _HIGH = _ir.Constant(_VI, [-65536] * LANES)         # 0xFFFF0000: a float32's high (bfloat16) half
+    _S16 = _ir.Constant(_VI, [16] * LANES)
+
+    def _transpose(builder, rows):
+        """16 vectors of 16 lanes transposed: out[k][i] = rows[i][k] (`gemm.transpose16`'s shuffle network)."""
+        for bit in (1, 2, 4, 8):
+            new = list(rows)
+            for a in range(16):
+                if a & bit:
+                    continue
+                b = a | bit
+                lo = [j if not j & bit else 16 + (j ^ bit) for j in range(16)]
+                hi = [(j | bit) if not j & bit else 16 + j for j in range(16)]
+                new[a] = builder.shuffle_vector(rows[a], rows[b], _ir.Constant(_VI, lo))
+                new[b] = builder.shuffle_vector(rows[a], rows[b], _ir.Constant(_VI, hi))
+            rows = new
+        return rows
+
+    def _split_store(builder, x, ptrs):
+        """The three exact bfloat16 parts of the 16 lanes of x (`bf16_dot.split3`), stored at ptrs (16 x int16)."""
+        u = builder.bitcast(x, _VI)
+        r1 = builder.fsub(x, builder.bitcast(builder.and_(u, _HIGH), _VF))
+        u1 = builder.bitcast(r1, _VI)
+        u2 = builder.bitcast(builder.fsub(r1, builder.bitcast(builder.and_(u1, _HIGH), _VF)), _VI)
+        for bits, ptr in zip((u, u1, u2), ptrs):
+            builder.store(builder.trunc(builder.lshr(bits, _S16), _I16V), ptr, align=2)
+
+    def _is_vec_f32(a):
+        return isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1
+
+    def _is_vec_i32(a):
+        return isinstance(a, types.Array) and a.dtype == types.int32 and a.ndim == 1
+
+    def _weights(builder, st, stc, r0, j0, nb, mv, acc, bounds):
+        """The 16 x 16 weights of keys j0.. (one vector of rows r0.. each), summed into acc in key order; bounds:
+        None (unmasked) or the rows' (jlo, jhi) vectors."""
+        es = []
+        for i in range(LANES):
+            j = builder.add(j0, _ir.Constant(_I64, i))
+            d = builder.fsub(builder.load(_vptr(builder, st, builder.add(builder.mul(j, stc), r0)), align=4), mv)
+            keep = builder.icmp_signed("<", j, nb)
+            if bounds is not None:          # keys outside may score above m (exp -> inf): selected away
+                jv = builder.trunc(j, _ir.IntType(32))
+                jv = builder.shuffle_vector(builder.insert_element(_ir.Constant(_VI, None), jv,
+                                                                   _ir.Constant(_ir.IntType(32), 0)),
+                                            _ir.Constant(_VI, None), _ir.Constant(_VI, [0] * LANES))
+                inside = builder.and_(builder.icmp_signed(">=", jv, bounds[0]), builder.icmp_signed("<=", jv, bounds[1]))
+                e = builder.select(inside, _exp_ir(builder, d), _splat(0.0))
+                e = builder.select(keep, e, _splat(0.0))
+            else:
+                e = builder.select(keep, _exp_ir(builder, d), _splat(0.0))
+            builder.store(builder.fadd(builder.load(acc), e), acc)
+            es.append(e)
+        return es
+
+    @intrinsic
+    def _weight_parts_ir(typingctx, ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
+        if not (_is_f32_2d(ST) and _is_vec_f32(m) and _is_vec_f32(l) and isinstance(PA, types.Array)
+                and PA.dtype == types.int16 and PA.ndim == 3 and PA.layout == "C" and _is_vec_i32(jlo)
+                and _is_vec_i32(jhi)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            st, stc = _rows(context, builder, sig.args[0], args[0])
+            nb, nbp, Rp, Rs = (context.cast(builder, a, t, types.int64) for a, t in zip(args[1:5], sig.args[1:5]))
+            m_ = context.make_array(sig.args[5])(context, builder, args[5]).data
+            l_ = context.make_array(sig.args[6])(context, builder, args[6]).data
+            pa = context.make_array(sig.args[7])(context, builder, args[7])
+            masked_ = context.cast(builder, args[8], sig.args[8], types.boolean)
+            jlo_ = context.make_array(sig.args[9])(context, builder, args[9]).data
+            jhi_ = context.make_array(sig.args[10])(context, builder, args[10]).data
+            vi_ptr = _VI.as_pointer()
+            _, prow, pcol = _cg.unpack_tuple(builder, pa.shape, 3)
+            plane = builder.mul(prow, pcol)
+            i16p = _I16V.as_pointer()
+            sixteen = _ir.Constant(_I64, LANES)
+
+            def parts_at(r, j):
+                o = builder.add(builder.mul(r, pcol), j)
+                return [builder.bitcast(builder.gep(pa.data, [builder.add(o, builder.mul(_ir.Constant(_I64, p),
+                                                                                         plane))]), i16p)
+                        for p in range(3)]
+
+            with _cg.for_range(builder, builder.sdiv(Rp, sixteen)) as rl:
+                r0 = builder.mul(rl.index, sixteen)
+                mv = builder.load(_vptr(builder, m_, r0), align=4)
+                acc = _cg.alloca_once_value(builder, builder.load(_vptr(builder, l_, r0), align=4))
+                bounds = [builder.load(builder.bitcast(builder.gep(b, [r0]), vi_ptr), align=4) for b in (jlo_, jhi_)]
+                with _cg.for_range(builder, builder.sdiv(nbp, sixteen)) as jl:
+                    j0 = builder.mul(jl.index, sixteen)
+                    with builder.if_else(masked_) as (with_mask, without):
+                        with with_mask:
+                            es = _weights(builder, st, stc, r0, j0, nb, mv, acc, bounds)
+                            for k, t in enumerate(_transpose(builder, es)):
+                                _split_store(builder, t, parts_at(builder.add(r0, _ir.Constant(_I64, k)), j0))
+                        with without:
+                            es = _weights(builder, st, stc, r0, j0, nb, mv, acc, None)
+                            for k, t in enumerate(_transpose(builder, es)):
+                                _split_store(builder, t, parts_at(builder.add(r0, _ir.Constant(_I64, k)), j0))
+                builder.store(builder.load(acc), _vptr(builder, l_, r0), align=4)
+            zero = _ir.Constant(_I16V, [0] * LANES)
+            with _cg.for_range(builder, builder.sub(Rs, Rp)) as rl:
+                r = builder.add(Rp, rl.index)
+                with _cg.for_range(builder, builder.sdiv(nbp, sixteen)) as jl:
+                    for ptr in parts_at(r, builder.mul(jl.index, sixteen)):
+                        builder.store(zero, ptr, align=2)
+            return context.get_dummy_value()
+        return types.void(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi), codegen
+
+    @overload(weight_parts, inline="always")
+    def _weight_parts_ov(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
+        if ST.dtype == types.float32:
+            return lambda ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi: _weight_parts_ir(
+                ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
+        return lambda ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi: None   # other compute dtypes never reach it
+
     @overload(sum_parts_max, inline="always")
     def _sum_parts_max_ov(ST, W, red, nb, G, parts, g0):
         return lambda ST, W, red, nb, G, parts, g0: _sum_parts_max_ir(ST, W, red, nb, G, parts, g0)
@@ -197,3 +348,4 @@ if JIT:
         return lambda W, red, nb, nbp, g0, scale: _exp_rows_ir(W, red, nb, nbp, g0, scale)
 
     block_softmax = njit(cache=True, fastmath=EXP_FLAGS)(block_softmax)
+    run_weight_parts = njit(cache=True)(run_weight_parts)

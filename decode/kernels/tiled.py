@@ -34,6 +34,7 @@ from .gemm import COLMAX, FRESH, MR, RESCALE, SCALE, gemm_strip, transpose16
 from .loaders import block_rows
 from .pair_scores import page_piece, pair_scratch, score_strip, tile_pairs
 from .simd import EXP_FLAGS, FAST, JIT, exp_inline, prefetch_lines, zeros64
+from .tile_softmax import weight_parts
 from .units import merge_rows
 
 NEG = -3.0e38         # "no key yet" running max: finite (fastmath), below every admissible score
@@ -256,6 +257,34 @@ if JIT:
             v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L, flags, alpha)
 
 
+@njit(cache=True, fastmath=EXP_FLAGS, inline="always")
+def _new_max(Rp, m, l, alpha):
+    """alpha[r] (the rows' new running max on entry) -> exp(old max - new max); m <- the new max, l scaled."""
+    for r in range(Rp):
+        mn = alpha[r]
+        a = exp_inline(m[r] - mn)
+        m[r] = mn
+        l[r] *= a
+        alpha[r] = a
+
+
+@njit(cache=True, fastmath=EXP_FLAGS, inline="always")
+def _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg):
+    """A masked block's row maxima: jlo[r] / jhi[r] = the block keys row r sees (jlo[r]..jhi[r]), alpha[r] =
+    max(m[r], ST[j, r] over those j)."""
+    for r in range(Rp):
+        alpha[r] = m[r]
+        jlo[r] = max(-1, min(nb, rlo[r] - b0))
+        jhi[r] = max(-1, min(nb, rpos[r] - b0))
+    for j in range(nb):
+        row = ST[j]
+        for r in range(Rp):
+            x = row[r]
+            x = x if (j >= jlo[r]) & (j <= jhi[r]) else neg
+            a = alpha[r]
+            alpha[r] = x if x > a else a
+
+
 @njit(cache=True, fastmath=EXP_FLAGS)
 def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg):
     """Online softmax over the block's scores ST[:nb, :Rp] (column r = row r of the tile, key b0 + j; already
@@ -266,23 +295,8 @@ def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg
     sees block keys jlo[r]..jhi[r]); neg: NEG in the compute dtype."""
     z = neg - neg
     if masked:
-        for r in range(Rp):
-            alpha[r] = m[r]
-            jlo[r] = max(-1, min(nb, rlo[r] - b0))
-            jhi[r] = max(-1, min(nb, rpos[r] - b0))
-        for j in range(nb):
-            row = ST[j]
-            for r in range(Rp):
-                x = row[r]
-                x = x if (j >= jlo[r]) & (j <= jhi[r]) else neg
-                a = alpha[r]
-                alpha[r] = x if x > a else a
-    for r in range(Rp):          # alpha holds the new max here
-        mn = alpha[r]
-        a = exp_inline(m[r] - mn)
-        m[r] = mn
-        l[r] *= a
-        alpha[r] = a
+        _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg)
+    _new_max(Rp, m, l, alpha)
     if masked:
         for j in range(nb):
             row = ST[j]
@@ -351,10 +365,17 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
             pair_block(k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, alpha)
         else:
             score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, alpha)
-        _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg)
+        fused = amx and pv[1].shape[0] > 0          # the weights straight into P's parts
+        if fused:
+            if masked:
+                _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg)
+            _new_max(Rp, m, l, alpha)
+            weight_parts(ST, nb, -(-nb // 32) * 32, Rp, -(-Rp // 32) * 32, m, l, pv[1], masked, jlo, jhi)
+        else:
+            _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg)
         _prefetch_block(v_pages, pages, h, b1, nxt)
         if amx and pv[1].shape[0] > 0:
-            amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, b0 > lo, alpha, cfg)
+            amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, b0 > lo, alpha, cfg, fused)
         else:
             value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L,
                         RESCALE if b0 > lo else 0, alpha)   # O is still zero after the first block: no rescale

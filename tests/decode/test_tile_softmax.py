@@ -55,3 +55,51 @@ def test_block_softmax_matches_float64(G, npq, nb, first, grow):
     assert np.all(S[:G, nb:nbp] == 0.0)
     np.testing.assert_allclose(l, l_new, rtol=2e-6)
     np.testing.assert_allclose(O, O_new, rtol=2e-6, atol=1e-30)
+
+
+def _parts_value(PA):
+    """The float64 sum of the three bfloat16 parts PA [3, ...] (exact: each part is a bfloat16)."""
+    bits = PA.view(np.uint16).astype(np.uint32) << np.uint32(16)
+    return bits.view(np.float32).astype(np.float64).sum(axis=0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("nb,Rp,Rs", [(128, 128, 128), (100, 48, 64), (17, 16, 32), (128, 80, 96)])
+def test_weight_parts_match_float64(nb, Rp, Rs, masked):
+    """The tiled kernel's fused step: PA's parts sum to exp(ST - m) (float64 within the float32 exp's ~1e-7; 0
+    where masked, past nb and in the rows Rp..Rs), each part the exact truncation split of the weight, l += the
+    weights."""
+    rng = np.random.default_rng(nb * 1000 + Rp + masked)
+    nbp = -(-nb // 32) * 32
+    ST = (rng.standard_normal((nbp + 32, Rs)) * 6).astype(np.float32)
+    ST[nb:] = np.nan                                     # never read as weights
+    l0 = (rng.random(Rp) + 1).astype(np.float32)
+    l = np.concatenate([l0, np.full(8, -5.0, np.float32)])  # entries past Rp untouched
+    PA = np.full((3, Rs + 16, nbp + 32), 0x5555, np.int16)
+    jlo = rng.integers(-1, nb, Rp + 8).astype(np.int32)
+    jhi = np.minimum(nb, jlo + rng.integers(0, nb + 2, Rp + 8)).astype(np.int32)
+    if masked:                                           # keys outside a row's range may score above its max
+        j = np.arange(nb)[:, None]
+        ST[:nb, :Rp] = np.where((j >= jlo[:Rp]) & (j <= jhi[:Rp]), ST[:nb, :Rp], np.float32(200.0))
+    inside = ST[:nb, :Rp] < 100
+    m = (np.where(inside, ST[:nb, :Rp], -np.inf).max(axis=0) + rng.random(Rp)).astype(np.float32)
+    m[~inside.any(axis=0)] = np.float32(-3.0e38)         # a row with no key in this block
+    tile_softmax.run_weight_parts(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
+    d = (ST[:nb, :Rp] - m).astype(np.float64)              # the difference rounded to float32, as the kernel's
+    w = np.exp(d).T                                      # [Rp, nb]
+    if masked:
+        j = np.arange(nb)[None, :]
+        w = np.where((j >= jlo[:Rp, None]) & (j <= jhi[:Rp, None]), w, 0.0)
+    got = _parts_value(PA[:, :Rp, :nb])
+    np.testing.assert_allclose(got, w, rtol=3e-7, atol=0)
+    assert np.all(got[w == 0] == 0)
+    assert np.all(PA[:, :Rp, nb:nbp] == 0) and np.all(PA[:, Rp:Rs, :nbp] == 0)
+    assert np.all(PA[:, Rs:] == 0x5555) and np.all(PA[:, :, nbp:] == 0x5555)
+    hi = PA[0, :Rp, :nb].view(np.uint16).astype(np.uint32) << np.uint32(16)
+    whole = got.astype(np.float32)                       # the weight as float32 (exact: the parts sum to it)
+    assert np.array_equal(whole.astype(np.float64), got)
+    assert np.array_equal(hi, whole.view(np.uint32) & np.uint32(0xFFFF0000))
+    rest = (whole - hi.view(np.float32)).view(np.uint32) & np.uint32(0xFFFF0000)   # exact difference
+    assert np.array_equal(PA[1, :Rp, :nb].view(np.uint16).astype(np.uint32) << np.uint32(16), rest)
+    np.testing.assert_allclose(l[:Rp], l0 + w.sum(axis=1), rtol=2e-6)
+    assert np.all(l[Rp:] == -5.0)
