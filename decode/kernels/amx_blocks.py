@@ -3,11 +3,11 @@ score block with the GEMM's epilogue, and the PV block with its operands prepare
 
 A float32 q is split exactly into bfloat16 parts (hi + mid + lo, by truncation as in `bf16_dot`: every normal
 float32 is their exact sum); a bfloat16 q (a bfloat16 model's) has one. The softmax's weights P are split the same
-way (three parts, always), transposed to rows x keys; value rows are paired (two keys per 32-bit element, the B
-layout). So both products are of exact bfloat16 parts, every product exact in float32 and the only roundings
-float32 additions, as on the widened path, in the tile unit's order (head_dim, or the keys, in chunks of 32, each
-chunk's parts in turn): other bits than the other paths' (still deterministic: the same on every call and
-thread count).
+way (three parts, always; rows x keys, as the softmax step writes them: `tile_softmax.weight_parts`); value rows
+are paired (two keys per 32-bit element, the B layout). So both products are of exact bfloat16 parts, every
+product exact in float32 and the only roundings float32 additions, as on the widened path, in the tile unit's
+order (head_dim, or the keys, in chunks of 32, each chunk's parts in turn): other bits than the other paths'
+(still deterministic: the same on every call and thread count).
 
     pack_parts(QT, R, Rp, QA)     QT [D, >= Rp] float32 (a tile's queries, columns R.. zero) -> QA int16 [3 * D / 2,
                                   2 * cols] (part p, pair k, column r, element e at [p * D / 2 + k, 2 r + e]);
@@ -15,16 +15,16 @@ thread count).
     amx_block(...)                the score block: keys staged where not read in place, the tile GEMM, then `gemm`'s
                                   SCALE / COLMAX epilogue
     value_scratch(...)            the PV block's buffers (empty where the tiles do not take PV)
-    amx_values(...)               the PV block: O rescaled, P split and transposed (unless done: `tile_softmax`),
-                                  value rows paired, the tile GEMM
+    amx_values(...)               the PV block: O rescaled, value rows paired, the tile GEMM over the weights' parts
+                                  (`tile_softmax.weight_parts` writes them)
     scores_reference(...)         the score GEMM's NumPy twin (the same products; float64 sums: a test oracle)
 """
 import numpy as np
 from numba import njit, types
 
 from .amx_tiles import HOST, amx_pv, amx_scores, in_place
-from .bf16_dot import high as _high, split3
-from .gemm import COLMAX, SCALE, transpose_rows
+from .bf16_dot import split3
+from .gemm import COLMAX, SCALE
 from .pair_scores import page_piece
 from .simd import FAST, JIT, zeros64
 
@@ -103,10 +103,10 @@ def stage_keys(k_pages, pages, h, b0, nb, Kt):
 
 
 def value_scratch(v_pages, O, block, rows, dot):
-    """The PV tiles' buffers ``pv`` for a tile of up to ``rows`` rows (a multiple of 32): PT float32 [rows, block +
-    32] (P transposed), PA int16 [3, rows, block + 32] (its bfloat16 parts), VB uint32 [(block + 32) / 2, Dv] (value
-    rows in pairs), int64 [16] (the transposition's row offsets); the first three empty where the tiles do not
-    take PV (dot != 2, pages not bfloat16, O not float32, Dv not a multiple of 32)."""
+    """The PV tiles' buffers ``pv`` for a tile of up to ``rows`` rows (a multiple of 32): PA int16 [3, rows, block +
+    32] (the weights' bfloat16 parts, `tile_softmax.weight_parts`), VB uint32 [(block + 32) / 2, Dv] (value rows in
+    pairs); both empty where the tiles do not take PV (dot != 2, pages not bfloat16, O not float32, Dv not a
+    multiple of 32)."""
     if v_pages.dtype == np.int16 and O.dtype == np.float32:
         return _pv_buffers(v_pages.shape[3], block, rows, dot)
     return _pv_buffers(0, 0, 0, 0)
@@ -116,28 +116,9 @@ def _pv_buffers(Dv, block, rows, dot):
     """`value_scratch`'s buffers (the PV tiles apply: dot 2, Dv a positive multiple of 32), else empty ones."""
     if dot == 2 and Dv > 0 and Dv % 32 == 0:
         n = block + 32
-        return (np.zeros((rows, n), np.float32), zeros64(3 * rows, n, np.zeros(0, np.int16)).reshape((3, rows, n)),
-                zeros64(n // 2, Dv, np.zeros(0, np.uint32)), np.zeros(16, np.int64))
-    return (np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32),
-            np.zeros(16, np.int64))
-
-
-def split_rows(PT, rows, n, PA):
-    """PA[p, r, j] = the bfloat16 bits of part p of PT[r, j] (r < rows, j < n; the split of `pack_parts`): three
-    parts, always (a weight is seldom a bfloat16; a zero part adds exact zeros)."""
-    bits = PT.view(np.uint32)
-    for r in range(rows):
-        x = PT[r]
-        u = bits[r]
-        d0 = PA[0, r]
-        d1 = PA[1, r]
-        d2 = PA[2, r]
-        for j in range(n):
-            a, b, c = split3(x[j], u[j])
-            d0[j] = _high(a)
-            d1[j] = _high(b)
-            d2[j] = _high(c)
-    return 3
+        return (zeros64(3 * rows, n, np.zeros(0, np.int16)).reshape((3, rows, n)),
+                zeros64(n // 2, Dv, np.zeros(0, np.uint32)))
+    return np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32)
 
 
 def value_pairs(v_pages, pages, h, b0, nb, VB):
@@ -168,11 +149,11 @@ def value_pairs(v_pages, pages, h, b0, nb, VB):
             dst[d] = 0
 
 
-def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, split):
+def amx_values(v_pages, pages, h, b0, nb, Rp, O, pv, rescale, alpha, cfg):
     """O[:Rp, :Dv] (times alpha[r] first where ``rescale``; rows whose alpha is 1 are left as they are) += P . V
-    on the tiles, P = ST[:nb, :Rp] (keys x rows, the softmax's weights) split exactly into bfloat16 parts, V the
-    block's bfloat16 rows. ST's rows nb.. are set to zero; O has at least Rp rounded up to 32 rows. ``split``:
-    P's parts are in pv's PA already (`tile_softmax.weight_parts`), ST is not read."""
+    on the tiles: P the block's weights as pv's PA holds them (three exact bfloat16 parts, rows x keys, keys nb..
+    zero: `tile_softmax.weight_parts`), V the block's bfloat16 rows (paired into pv's VB). O has at least Rp
+    rounded up to 32 rows."""
     Dv = v_pages.shape[3]
     nbp = -(-nb // 32) * 32
     Rs = -(-Rp // 32) * 32
@@ -183,14 +164,7 @@ def amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, sp
                 row = O[r]
                 for d in range(Dv):
                     row[d] *= a
-    PT, PA, VB, off = pv
-    if not split:
-        for j in range(nb, nbp):
-            row = ST[j]
-            for r in range(Rs):
-                row[r] = 0.0
-        transpose_rows(ST, nbp, Rs, off, PT)
-        split_rows(PT, Rs, nbp, PA)
+    PA, VB = pv
     value_pairs(v_pages, pages, h, b0, nb, VB)
     amx_pv(PA, 3, VB, O, Rs, nbp, Dv, False, cfg)
 
@@ -213,7 +187,6 @@ if JIT:
 
     _pack_parts_jit = njit(cache=True)(pack_parts)      # no fastmath: x - hi must be the exact difference
     stage_keys = njit(cache=True)(stage_keys)
-    split_rows = njit(cache=True)(split_rows)          # no fastmath: x - hi must be the exact difference
     value_pairs = njit(cache=True)(value_pairs)
     _pv_buffers = njit(cache=True)(_pv_buffers)
 
@@ -235,11 +208,11 @@ if JIT:
     _amx_values_jit = njit(cache=True, fastmath=FAST)(amx_values) if HOST else None
 
     @overload(amx_values, inline="always")
-    def _amx_values_ov(v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, split):
+    def _amx_values_ov(v_pages, pages, h, b0, nb, Rp, O, pv, rescale, alpha, cfg):
         if HOST and v_pages.dtype == types.int16 and O.dtype == types.float32:
-            return lambda v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, split: _amx_values_jit(
-                v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, split)
-        return lambda v_pages, pages, h, b0, nb, ST, Rp, O, pv, rescale, alpha, cfg, split: None
+            return lambda v_pages, pages, h, b0, nb, Rp, O, pv, rescale, alpha, cfg: _amx_values_jit(
+                v_pages, pages, h, b0, nb, Rp, O, pv, rescale, alpha, cfg)
+        return lambda v_pages, pages, h, b0, nb, Rp, O, pv, rescale, alpha, cfg: None
 
     @overload(value_scratch)
     def _value_scratch_ov(v_pages, O, block, rows, dot):

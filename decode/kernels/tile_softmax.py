@@ -93,9 +93,8 @@ def weight_parts(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
     to the weight) of the weight exp_inline(ST[j, r] - m[r]) for r < Rp, j < nb (``masked``: only where jlo[r] <=
     j <= jhi[r], else 0; m[r] is the maximum over those keys); 0 for nb <= j < nbp and for Rp <= r < Rs. l[r] += the
     weights, in key order. ST [>= nbp, >= Rs] float32 (keys x rows: a block's scaled scores), m [>= Rp] the rows'
-    new running maxima, PA int16 [3, >= Rs, >= nbp], jlo / jhi int32 [>= Rp]; Rp, Rs, nbp multiples of 16. What
-    `tiled._softmax_block` followed by `gemm.transpose_rows` and `amx_blocks.split_rows` leave in PA and l, in
-    one pass."""
+    new running maxima, PA int16 [3, >= Rs, >= nbp], jlo / jhi int32 [>= Rp]; Rp, Rs, nbp multiples of 16. The
+    online softmax's exp pass, P's transposition and its split in one pass (the PV tiles' A operand)."""
     for r in range(Rs):
         s = l[r] if r < Rp else np.float32(0.0)
         for j in range(nbp):
@@ -269,7 +268,8 @@ if JIT:
                 jv = builder.shuffle_vector(builder.insert_element(_ir.Constant(_VI, None), jv,
                                                                    _ir.Constant(_ir.IntType(32), 0)),
                                             _ir.Constant(_VI, None), _ir.Constant(_VI, [0] * LANES))
-                inside = builder.and_(builder.icmp_signed(">=", jv, bounds[0]), builder.icmp_signed("<=", jv, bounds[1]))
+                inside = builder.and_(builder.icmp_signed(">=", jv, bounds[0]),
+                                      builder.icmp_signed("<=", jv, bounds[1]))
                 e = builder.select(inside, _exp_ir(builder, d), _splat(0.0))
                 e = builder.select(keep, e, _splat(0.0))
             else:

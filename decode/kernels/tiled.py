@@ -365,17 +365,17 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
             pair_block(k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, alpha)
         else:
             score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, alpha)
-        fused = amx and pv[1].shape[0] > 0          # the weights straight into P's parts
-        if fused:
+        pv_tiles = amx and pv[0].shape[0] > 0      # PV on the tiles: the weights go straight into P's parts
+        if pv_tiles:
             if masked:
                 _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg)
             _new_max(Rp, m, l, alpha)
-            weight_parts(ST, nb, -(-nb // 32) * 32, Rp, -(-Rp // 32) * 32, m, l, pv[1], masked, jlo, jhi)
+            weight_parts(ST, nb, -(-nb // 32) * 32, Rp, -(-Rp // 32) * 32, m, l, pv[0], masked, jlo, jhi)
         else:
             _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg)
         _prefetch_block(v_pages, pages, h, b1, nxt)
-        if amx and pv[1].shape[0] > 0:
-            amx_values(v_pages, pages, h, b0, nb, ST, Rp, O, pv, b0 > lo, alpha, cfg, fused)
+        if pv_tiles:
+            amx_values(v_pages, pages, h, b0, nb, Rp, O, pv, b0 > lo, alpha, cfg)
         else:
             value_block(v_pages, v_scales, pages, h, b0, nb, Vb, st, ST, Rp, O, L,
                         RESCALE if b0 > lo else 0, alpha)   # O is still zero after the first block: no rescale
