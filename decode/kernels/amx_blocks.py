@@ -15,6 +15,7 @@ order (head_dim, or the keys, in chunks of 32, each chunk's parts in turn): othe
     amx_block(...)                the score block: keys staged where not read in place, the tile GEMM, then `gemm`'s
                                   SCALE / COLMAX epilogue
     value_scratch(...)            the PV block's buffers (empty where the tiles do not take PV)
+    value_pairs(...)              a block's value rows in pairs (the PV tiles' B operand; the decode tiles' too)
     amx_values(...)               the PV block: O rescaled, value rows paired, the tile GEMM over the weights' parts
                                   (`tile_softmax.weight_parts` writes them)
     scores_reference(...)         the score GEMM's NumPy twin (the same products; float64 sums: a test oracle)
@@ -121,32 +122,47 @@ def _pv_buffers(Dv, block, rows, dot):
     return np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.uint32)
 
 
+def pair32(src, ia, ib, dst, io):
+    """dst[io + i] = src[ia + i] (low half) | src[ib + i] (high half) for i < 32 (bfloat16 bits of two value rows
+    of a flat pool; dst flat uint32). In IR: two 32 x 16-bit loads, two interleaving shuffles, two stores."""
+    for i in range(32):
+        dst[io + i] = np.uint32(np.uint16(src[ia + i])) | (np.uint32(np.uint16(src[ib + i])) << np.uint32(16))
+
+
 def value_pairs(v_pages, pages, h, b0, nb, VB):
     """VB[k, d] = value rows 2k (low half) and 2k + 1 (high half) of kv head h at absolute positions b0.. (bfloat16
-    bits), rows from nb to nb rounded up to 32 zero: the B operand of the PV tiles."""
+    bits; rows from nb to nb rounded up to 32 zero; Dv a multiple of 32): the B operand of the PV tiles (both AMX
+    paths), by `pair32` on flat views. The rows are followed page by page."""
+    H = v_pages.shape[1]
     P = v_pages.shape[2]
     Dv = v_pages.shape[3]
-    lo = np.uint32(0xFFFF)
-    s16 = np.uint32(16)
-    j = 0
-    while j < nb:
-        row, s0, n = page_piece(pages, P, b0 + j, nb - j)
-        tile = v_pages[row, h]
-        for s in range(n):
-            jj = j + s
-            src = tile[s0 + s]
-            dst = VB[jj // 2]
-            if jj % 2 == 0:
-                for d in range(Dv):
-                    dst[d] = np.uint32(src[d]) & lo
-            else:
-                for d in range(Dv):
-                    dst[d] |= (np.uint32(src[d]) & lo) << s16
-        j += n
-    for k in range((nb + 1) // 2, -(-nb // 32) * 16):
-        dst = VB[k]
-        for d in range(Dv):
-            dst[d] = 0
+    src = v_pages.reshape(-1)
+    dst = VB.reshape(-1)
+    j = b0 // P                 # the page (index into `pages`) and slot of the next row
+    s = b0 - j * P
+    for k in range(-(-nb // 32) * 16):
+        io = k * Dv
+        left = nb - 2 * k
+        if left >= 2:
+            ia = ((pages[j] * H + h) * P + s) * Dv
+            s += 1
+            if s == P:
+                j += 1
+                s = 0
+            ib = ((pages[j] * H + h) * P + s) * Dv
+            s += 1
+            if s == P:
+                j += 1
+                s = 0
+            for d0 in range(0, Dv, 32):
+                pair32(src, ia + d0, ib + d0, dst, io + d0)
+        elif left == 1:
+            ia = ((pages[j] * H + h) * P + s) * Dv
+            for d in range(Dv):
+                dst[io + d] = np.uint32(np.uint16(src[ia + d]))
+        else:
+            for d in range(Dv):
+                dst[io + d] = 0
 
 
 def amx_values(v_pages, pages, h, b0, nb, Rp, O, pv, rescale, alpha, cfg):
@@ -183,12 +199,39 @@ def scores_reference(Kt, QA, parts, nbp, Rp):
 
 
 if JIT:
-    from numba.extending import overload
+    from llvmlite import ir as _ir
+    from numba.extending import intrinsic, overload
 
     _pack_parts_jit = njit(cache=True)(pack_parts)      # no fastmath: x - hi must be the exact difference
     stage_keys = njit(cache=True)(stage_keys)
-    value_pairs = njit(cache=True)(value_pairs)
     _pv_buffers = njit(cache=True)(_pv_buffers)
+
+    @intrinsic
+    def _pair32_ir(typingctx, src, ia, ib, dst, io):
+        if not (isinstance(src, types.Array) and src.dtype == types.int16 and isinstance(dst, types.Array)
+                and dst.dtype == types.uint32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i16x32 = _ir.VectorType(_ir.IntType(16), 32)
+            base = context.make_array(sig.args[0])(context, builder, args[0]).data
+            rows = []
+            for k in (1, 2):
+                o = context.cast(builder, args[k], sig.args[k], types.int64)
+                rows.append(builder.load(builder.bitcast(builder.gep(base, [o]), i16x32.as_pointer()), align=2))
+            out = context.make_array(sig.args[3])(context, builder, args[3]).data
+            o = context.cast(builder, args[4], sig.args[4], types.int64)
+            for half in (0, 1):
+                mask = [x for i in range(16) for x in (16 * half + i, 32 + 16 * half + i)]
+                v = builder.shuffle_vector(rows[0], rows[1], _ir.Constant(_ir.VectorType(_ir.IntType(32), 32), mask))
+                ptr = builder.gep(out, [builder.add(o, _ir.Constant(_ir.IntType(64), 16 * half))])
+                builder.store(v, builder.bitcast(ptr, i16x32.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(src, ia, ib, dst, io), codegen
+
+    @overload(pair32, inline="always")
+    def _pair32_ov(src, ia, ib, dst, io):
+        return lambda src, ia, ib, dst, io: _pair32_ir(src, ia, ib, dst, io)
 
     @overload(pack_parts, inline="always")
     def _pack_parts_ov(QT, R, Rp, QA):
@@ -196,6 +239,7 @@ if JIT:
             return lambda QT, R, Rp, QA: _pack_parts_jit(QT, R, Rp, QA)
         return lambda QT, R, Rp, QA: 0
 
+    value_pairs = njit(cache=True)(value_pairs)
     _amx_block_jit = njit(cache=True, fastmath=FAST)(amx_block) if HOST else None
 
     @overload(amx_block, inline="always")

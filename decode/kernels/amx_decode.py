@@ -37,7 +37,7 @@ per kv head take the tiles: below, the per-query kernel's FMAs measured faster (
 import numpy as np
 from numba import njit, types
 
-from .amx_blocks import stage_keys
+from .amx_blocks import stage_keys, value_pairs
 from .amx_tiles import HOST, amx_pv, amx_scores, tile_config
 from .bf16_dot import exactly_bf16, high as _high, split3
 from .tile_softmax import block_softmax
@@ -161,49 +161,6 @@ def split_weights(S, G, n, PA):
             PA[2 * G + g, j] = _high(c)
 
 
-def pair32(src, ia, ib, dst, io):
-    """dst[io + i] = src[ia + i] (low half) | src[ib + i] (high half) for i < 32 (bfloat16 bits of two value rows
-    of a flat pool; dst flat uint32). In IR: two 32 x 16-bit loads, two interleaving shuffles, two stores."""
-    for i in range(32):
-        dst[io + i] = np.uint32(np.uint16(src[ia + i])) | (np.uint32(np.uint16(src[ib + i])) << np.uint32(16))
-
-
-def pair_values(v_pages, pages, h, b0, nb, VB):
-    """VB[k, d] = value rows 2k (low half) and 2k + 1 (high half) of kv head h at absolute positions b0.. (bfloat16
-    bits; rows from nb to nb rounded up to 32 zero; Dv a multiple of 32): the B operand of the PV tiles
-    (`amx_blocks.value_pairs`'s result, by `pair32` on flat views). The rows are followed page by page."""
-    H = v_pages.shape[1]
-    P = v_pages.shape[2]
-    Dv = v_pages.shape[3]
-    src = v_pages.reshape(-1)
-    dst = VB.reshape(-1)
-    j = b0 // P                 # the page (index into `pages`) and slot of the next row
-    s = b0 - j * P
-    for k in range(_cols(nb) // 2):
-        io = k * Dv
-        left = nb - 2 * k
-        if left >= 2:
-            ia = ((pages[j] * H + h) * P + s) * Dv
-            s += 1
-            if s == P:
-                j += 1
-                s = 0
-            ib = ((pages[j] * H + h) * P + s) * Dv
-            s += 1
-            if s == P:
-                j += 1
-                s = 0
-            for d0 in range(0, Dv, 32):
-                pair32(src, ia + d0, ib + d0, dst, io + d0)
-        elif left == 1:
-            ia = ((pages[j] * H + h) * P + s) * Dv
-            for d in range(Dv):
-                dst[io + d] = np.uint32(np.uint16(src[ia + d]))
-        else:
-            for d in range(Dv):
-                dst[io + d] = 0
-
-
 def store_head(O, l, m, G, h, out_i, w, wm, wl, wacc):
     """Head group h's result: out_i[h * G + g] = (O[g] + O[G + g] + O[2 G + g]) / l[g] (w < 0), or the partial
     (m, l, the sum) at slot w, by dim (not in the pair order of the other bfloat16 paths: the merge is told,
@@ -251,7 +208,7 @@ def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm,
             amx_scores(k_pages, pages, h, b0, nb, Kt, QA[h], tp, ST, R, cfg)
             block_softmax(cp, G, nb, nbp, ST, W, S, off, red, m[h], l[h], Oh, b0 == lo, scale)
             split_weights(S, G, nbp, PA)
-            pair_values(v_pages, pages, h, b0, nb, VB)
+            value_pairs(v_pages, pages, h, b0, nb, VB)
             amx_pv(PA1, 1, VB, Oh, Rs, nbp, Dv, b0 == lo, cfg)
         b0 = b1
     for h in range(H):
@@ -259,40 +216,11 @@ def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm,
 
 
 if JIT:
-    from llvmlite import ir as _ir
-    from numba.extending import intrinsic, overload
-
-    @intrinsic
-    def _pair32_ir(typingctx, src, ia, ib, dst, io):
-        if not (isinstance(src, types.Array) and src.dtype == types.int16 and isinstance(dst, types.Array)
-                and dst.dtype == types.uint32):
-            return None
-
-        def codegen(context, builder, sig, args):
-            i16x32 = _ir.VectorType(_ir.IntType(16), 32)
-            base = context.make_array(sig.args[0])(context, builder, args[0]).data
-            rows = []
-            for k in (1, 2):
-                o = context.cast(builder, args[k], sig.args[k], types.int64)
-                rows.append(builder.load(builder.bitcast(builder.gep(base, [o]), i16x32.as_pointer()), align=2))
-            out = context.make_array(sig.args[3])(context, builder, args[3]).data
-            o = context.cast(builder, args[4], sig.args[4], types.int64)
-            for half in (0, 1):
-                mask = [x for i in range(16) for x in (16 * half + i, 32 + 16 * half + i)]
-                v = builder.shuffle_vector(rows[0], rows[1], _ir.Constant(_ir.VectorType(_ir.IntType(32), 32), mask))
-                ptr = builder.gep(out, [builder.add(o, _ir.Constant(_ir.IntType(64), 16 * half))])
-                builder.store(v, builder.bitcast(ptr, i16x32.as_pointer()), align=4)
-            return context.get_dummy_value()
-        return types.void(src, ia, ib, dst, io), codegen
-
-    @overload(pair32, inline="always")
-    def _pair32_ov(src, ia, ib, dst, io):
-        return lambda src, ia, ib, dst, io: _pair32_ir(src, ia, ib, dst, io)
+    from numba.extending import overload
 
     _cols = njit(inline="always")(_cols)
     _cols16 = njit(inline="always")(_cols16)
     _buffers = njit(cache=True)(_buffers)
-    pair_values = njit(cache=True)(pair_values)
     pack_columns = njit(cache=True)(pack_columns)        # no fastmath: x - hi must be the exact difference
     stacked = njit(inline="always")(stacked)
     split_weights = njit(cache=True)(split_weights)      # no fastmath: as above

@@ -15,6 +15,14 @@ whole rows of heads: each row is one vector op per 16 heads, where numba's own l
                                                  the whole step: the two above, the running max / sum update (O's
                                                  rows rescaled), W^T into S
 
+The tiled kernel's blocks (`tiled.attend_tile` where the PV product runs on the tiles: scores ST [keys, rows],
+unscaled, straight off the tiles):
+    block_max(ST, sc, nb, Rp, mx)                mx[r] = max(mx[r], sc * the column maximum of ST[:nb, r])
+    weight_parts(ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
+                                                 the weights exp(fma(ST, sc, -m)) of 16 rows x 16 keys at a time,
+                                                 transposed in registers and split into three exact bfloat16 parts
+                                                 PA[p, r, j] (the PV tiles' A operand); l += their sums in key order
+
 The exp is `simd.exp_inline`'s polynomial (Cody-Waite reduction, degree 6, arguments clamped at -87), the same
 operations lane by lane; each has a plain-Python twin for NUMBA_DISABLE_JIT.
 """
@@ -88,19 +96,30 @@ def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
     transpose_rows(W, nbp, GP, off, S)
 
 
-def weight_parts(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
+def block_max(ST, sc, nb, Rp, mx):
+    """mx[r] = max(mx[r], sc * max over j < nb of ST[j, r]) for r < Rp (a multiple of 16): the block's scaled
+    column maxima (sc > 0 and rounding is monotonic, so the same value as the maximum of the scaled scores)."""
+    for r in range(Rp):
+        x = ST[0, r]
+        for j in range(1, nb):
+            x = max(x, ST[j, r])
+        mx[r] = max(mx[r], x * sc)
+
+
+def weight_parts(ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
     """PA[p, r, j] = the bfloat16 bits of part p (`bf16_dot.split3`: hi, mid, lo by truncation, summing exactly
-    to the weight) of the weight exp_inline(ST[j, r] - m[r]) for r < Rp, j < nb (``masked``: only where jlo[r] <=
-    j <= jhi[r], else 0; m[r] is the maximum over those keys); 0 for nb <= j < nbp and for Rp <= r < Rs. l[r] += the
-    weights, in key order. ST [>= nbp, >= Rs] float32 (keys x rows: a block's scaled scores), m [>= Rp] the rows'
-    new running maxima, PA int16 [3, >= Rs, >= nbp], jlo / jhi int32 [>= Rp]; Rp, Rs, nbp multiples of 16. The
-    online softmax's exp pass, P's transposition and its split in one pass (the PV tiles' A operand)."""
+    to the weight) of the weight exp_inline(fma(ST[j, r], sc, -m[r])) for r < Rp, j < nb (``masked``: only where
+    jlo[r] <= j <= jhi[r], else 0; m[r] is the maximum over those keys); 0 for nb <= j < nbp and for Rp <= r < Rs.
+    l[r] += the weights, in key order. ST [>= nbp, >= Rs] float32 (keys x rows: a block's scores, unscaled), m
+    [>= Rp] the rows' new running maxima (of the scaled scores), PA int16 [3, >= Rs, >= nbp], jlo / jhi int32 [>=
+    Rp]; Rp, Rs, nbp multiples of 16. The score scale, the online softmax's exp pass, P's transposition and its
+    split in one pass (the PV tiles' A operand)."""
     for r in range(Rs):
         s = l[r] if r < Rp else np.float32(0.0)
         for j in range(nbp):
             e = np.float32(0.0)
             if (r < Rp) & (j < nb):
-                d = ST[j, r] - m[r]
+                d = np.float32(np.float64(ST[j, r]) * np.float64(sc) - np.float64(m[r]))   # ~ the fma
                 if not masked:
                     e = exp_inline(d)
                 elif (j >= jlo[r]) & (j <= jhi[r]):
@@ -114,9 +133,14 @@ def weight_parts(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
             l[r] = s
 
 
-def run_weight_parts(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
+def run_block_max(ST, sc, nb, Rp, mx):
+    """`block_max` called as the tiled kernel calls it (its IR under the JIT): for tests."""
+    block_max(ST, sc, nb, Rp, mx)
+
+
+def run_weight_parts(ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
     """`weight_parts` called as the tiled kernel calls it (from jitted code: its IR under the JIT): for tests."""
-    weight_parts(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
+    weight_parts(ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
 
 
 if JIT:
@@ -252,16 +276,69 @@ if JIT:
     def _is_vec_f32(a):
         return isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1
 
+    def _broadcast(builder, x):
+        v = builder.insert_element(_ir.Constant(_VF, None), x, _ir.Constant(_ir.IntType(32), 0))
+        return builder.shuffle_vector(v, _ir.Constant(_VF, None), _ir.Constant(_VI, [0] * LANES))
+
+    @intrinsic
+    def _block_max_ir(typingctx, ST, sc, nb, Rp, mx):
+        if not (_is_f32_2d(ST) and sc == types.float32 and _is_vec_f32(mx)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            st, stc = _rows(context, builder, sig.args[0], args[0])
+            sc = _broadcast(builder, args[1])
+            nb, Rp = (context.cast(builder, a, t, types.int64) for a, t in zip(args[2:4], sig.args[2:4]))
+            mx_ = context.make_array(sig.args[4])(context, builder, args[4]).data
+            sixteen = _ir.Constant(_I64, LANES)
+            wide = _ir.Constant(_I64, 8 * LANES)
+
+            def fold(acc, j, r0):
+                x = builder.load(_vptr(builder, st, builder.add(builder.mul(j, stc), r0)), align=4)
+                builder.store(_vcall(builder, "llvm.maxnum.v16f32", builder.load(acc), x), acc)
+
+            def finish(acc, r0):
+                p = _vptr(builder, mx_, r0)
+                builder.store(_vcall(builder, "llvm.maxnum.v16f32", builder.load(p, align=4),
+                                     builder.fmul(builder.load(acc), sc)), p, align=4)
+
+            # 128 columns at a time (each key row's 512 bytes in turn: a contiguous stream), then 16 at a time
+            groups = builder.sdiv(Rp, wide)
+            with _cg.for_range(builder, groups) as gl:
+                c0 = builder.mul(gl.index, wide)
+                accs = [_cg.alloca_once_value(builder, _splat(-3.4028234663852886e38)) for _ in range(8)]
+                with _cg.for_range(builder, nb) as loop:
+                    for u in range(8):
+                        fold(accs[u], loop.index, builder.add(c0, _ir.Constant(_I64, u * LANES)))
+                for u in range(8):
+                    finish(accs[u], builder.add(c0, _ir.Constant(_I64, u * LANES)))
+            done = builder.mul(groups, wide)
+            with _cg.for_range(builder, builder.sdiv(builder.sub(Rp, done), sixteen)) as rl:
+                r0 = builder.add(done, builder.mul(rl.index, sixteen))
+                acc = _cg.alloca_once_value(builder, _splat(-3.4028234663852886e38))
+                with _cg.for_range(builder, nb) as loop:
+                    fold(acc, loop.index, r0)
+                finish(acc, r0)
+            return context.get_dummy_value()
+        return types.void(ST, sc, nb, Rp, mx), codegen
+
+    @overload(block_max, inline="always")
+    def _block_max_ov(ST, sc, nb, Rp, mx):
+        if ST.dtype == types.float32:
+            return lambda ST, sc, nb, Rp, mx: _block_max_ir(ST, sc, nb, Rp, mx)
+        return lambda ST, sc, nb, Rp, mx: None              # other compute dtypes never reach it
+
     def _is_vec_i32(a):
         return isinstance(a, types.Array) and a.dtype == types.int32 and a.ndim == 1
 
-    def _weights(builder, st, stc, r0, j0, nb, mv, acc, bounds):
-        """The 16 x 16 weights of keys j0.. (one vector of rows r0.. each), summed into acc in key order; bounds:
-        None (unmasked) or the rows' (jlo, jhi) vectors."""
+    def _weights(builder, st, stc, sc, r0, j0, nb, mv, acc, bounds):
+        """The 16 x 16 weights of keys j0.. (one vector of rows r0.. each; the exp of fma(score, sc, -max)),
+        summed into acc in key order; bounds: None (unmasked) or the rows' (jlo, jhi) vectors."""
         es = []
         for i in range(LANES):
             j = builder.add(j0, _ir.Constant(_I64, i))
-            d = builder.fsub(builder.load(_vptr(builder, st, builder.add(builder.mul(j, stc), r0)), align=4), mv)
+            x = builder.load(_vptr(builder, st, builder.add(builder.mul(j, stc), r0)), align=4)
+            d = _vcall(builder, "llvm.fma.v16f32", x, sc, builder.fneg(mv))
             keep = builder.icmp_signed("<", j, nb)
             if bounds is not None:          # keys outside may score above m (exp -> inf): selected away
                 jv = builder.trunc(j, _ir.IntType(32))
@@ -279,21 +356,22 @@ if JIT:
         return es
 
     @intrinsic
-    def _weight_parts_ir(typingctx, ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
-        if not (_is_f32_2d(ST) and _is_vec_f32(m) and _is_vec_f32(l) and isinstance(PA, types.Array)
+    def _weight_parts_ir(typingctx, ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
+        if not (_is_f32_2d(ST) and sc == types.float32 and _is_vec_f32(m) and _is_vec_f32(l) and isinstance(PA, types.Array)
                 and PA.dtype == types.int16 and PA.ndim == 3 and PA.layout == "C" and _is_vec_i32(jlo)
                 and _is_vec_i32(jhi)):
             return None
 
         def codegen(context, builder, sig, args):
             st, stc = _rows(context, builder, sig.args[0], args[0])
-            nb, nbp, Rp, Rs = (context.cast(builder, a, t, types.int64) for a, t in zip(args[1:5], sig.args[1:5]))
-            m_ = context.make_array(sig.args[5])(context, builder, args[5]).data
-            l_ = context.make_array(sig.args[6])(context, builder, args[6]).data
-            pa = context.make_array(sig.args[7])(context, builder, args[7])
-            masked_ = context.cast(builder, args[8], sig.args[8], types.boolean)
-            jlo_ = context.make_array(sig.args[9])(context, builder, args[9]).data
-            jhi_ = context.make_array(sig.args[10])(context, builder, args[10]).data
+            sc = _broadcast(builder, args[1])
+            nb, nbp, Rp, Rs = (context.cast(builder, a, t, types.int64) for a, t in zip(args[2:6], sig.args[2:6]))
+            m_ = context.make_array(sig.args[6])(context, builder, args[6]).data
+            l_ = context.make_array(sig.args[7])(context, builder, args[7]).data
+            pa = context.make_array(sig.args[8])(context, builder, args[8])
+            masked_ = context.cast(builder, args[9], sig.args[9], types.boolean)
+            jlo_ = context.make_array(sig.args[10])(context, builder, args[10]).data
+            jhi_ = context.make_array(sig.args[11])(context, builder, args[11]).data
             vi_ptr = _VI.as_pointer()
             _, prow, pcol = _cg.unpack_tuple(builder, pa.shape, 3)
             plane = builder.mul(prow, pcol)
@@ -315,11 +393,11 @@ if JIT:
                     j0 = builder.mul(jl.index, sixteen)
                     with builder.if_else(masked_) as (with_mask, without):
                         with with_mask:
-                            es = _weights(builder, st, stc, r0, j0, nb, mv, acc, bounds)
+                            es = _weights(builder, st, stc, sc, r0, j0, nb, mv, acc, bounds)
                             for k, t in enumerate(_transpose(builder, es)):
                                 _split_store(builder, t, parts_at(builder.add(r0, _ir.Constant(_I64, k)), j0))
                         with without:
-                            es = _weights(builder, st, stc, r0, j0, nb, mv, acc, None)
+                            es = _weights(builder, st, stc, sc, r0, j0, nb, mv, acc, None)
                             for k, t in enumerate(_transpose(builder, es)):
                                 _split_store(builder, t, parts_at(builder.add(r0, _ir.Constant(_I64, k)), j0))
                 builder.store(builder.load(acc), _vptr(builder, l_, r0), align=4)
@@ -330,14 +408,14 @@ if JIT:
                     for ptr in parts_at(r, builder.mul(jl.index, sixteen)):
                         builder.store(zero, ptr, align=2)
             return context.get_dummy_value()
-        return types.void(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi), codegen
+        return types.void(ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi), codegen
 
     @overload(weight_parts, inline="always")
-    def _weight_parts_ov(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
+    def _weight_parts_ov(ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi):
         if ST.dtype == types.float32:
-            return lambda ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi: _weight_parts_ir(
-                ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
-        return lambda ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi: None   # other compute dtypes never reach it
+            return lambda ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi: _weight_parts_ir(
+                ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
+        return lambda ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi: None   # other compute dtypes never reach it
 
     @overload(sum_parts_max, inline="always")
     def _sum_parts_max_ov(ST, W, red, nb, G, parts, g0):
@@ -349,3 +427,4 @@ if JIT:
 
     block_softmax = njit(cache=True, fastmath=EXP_FLAGS)(block_softmax)
     run_weight_parts = njit(cache=True)(run_weight_parts)
+    run_block_max = njit(cache=True)(run_block_max)

@@ -34,7 +34,7 @@ from .gemm import COLMAX, FRESH, MR, RESCALE, SCALE, gemm_strip, transpose16
 from .loaders import block_rows
 from .pair_scores import page_piece, pair_scratch, score_strip, tile_pairs
 from .simd import EXP_FLAGS, FAST, JIT, exp_inline, prefetch_lines, zeros64
-from .tile_softmax import weight_parts
+from .tile_softmax import block_max, weight_parts
 from .units import merge_rows
 
 NEG = -3.0e38         # "no key yet" running max: finite (fastmath), below every admissible score
@@ -269,9 +269,9 @@ def _new_max(Rp, m, l, alpha):
 
 
 @njit(cache=True, fastmath=EXP_FLAGS, inline="always")
-def _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg):
+def _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg, sc, scale):
     """A masked block's row maxima: jlo[r] / jhi[r] = the block keys row r sees (jlo[r]..jhi[r]), alpha[r] =
-    max(m[r], ST[j, r] over those j)."""
+    max(m[r], ST[j, r] over those j), each ST[j, r] times sc first where ``scale``."""
     for r in range(Rp):
         alpha[r] = m[r]
         jlo[r] = max(-1, min(nb, rlo[r] - b0))
@@ -279,7 +279,7 @@ def _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg):
     for j in range(nb):
         row = ST[j]
         for r in range(Rp):
-            x = row[r]
+            x = row[r] * sc if scale else row[r]
             x = x if (j >= jlo[r]) & (j <= jhi[r]) else neg
             a = alpha[r]
             alpha[r] = x if x > a else a
@@ -295,7 +295,7 @@ def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg
     sees block keys jlo[r]..jhi[r]); neg: NEG in the compute dtype."""
     z = neg - neg
     if masked:
-        _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg)
+        _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg, neg, False)
     _new_max(Rp, m, l, alpha)
     if masked:
         for j in range(nb):
@@ -326,6 +326,8 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
     k_scales / v_scales: the int8 pools' scales, None for float pools; st: the loader's float32 scratch. dot != 0:
     scores over bfloat16 pairs where the pages are bfloat16 and the tile's q exactly bfloat16 (`pair_scores`; QP /
     Kp its scratch, `pair_scratch`); dot 2: both GEMMs on AMX tiles for bfloat16 pages, any float32 q (`amx_blocks`;
+    where PV runs on them, the softmax step scales the scores, takes the block max and writes P's parts:
+    `tile_softmax.block_max` / `weight_parts`;
     QP / Kp sized for it, cfg the tile configuration, pv the PV block's buffers, `value_scratch`; ST and
     O then have whole tiles of 32 columns / rows, on 64-byte rows)."""
     Dvp = Vb.shape[1]
@@ -359,18 +361,22 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
             for r in range(Rp):
                 alpha[r] = m[r]
         flags = FRESH | SCALE | (0 if masked else COLMAX)
-        if amx:
+        pv_tiles = amx and pv[0].shape[0] > 0      # PV on the tiles: the weights go straight into P's parts
+        if pv_tiles:                                # (the scale and the block max taken by the softmax step)
+            amx_block(k_pages, pages, h, b0, nb, Kp, QP, parts, ST, Rp, FRESH, sc, alpha, cfg)
+        elif amx:
             amx_block(k_pages, pages, h, b0, nb, Kp, QP, parts, ST, Rp, flags, sc, alpha, cfg)
         elif pairs:
             pair_block(k_pages, k_scales, pages, h, b0, nb, Kp, st, QP, ST, Rp, LK, flags, sc, alpha)
         else:
             score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, alpha)
-        pv_tiles = amx and pv[0].shape[0] > 0      # PV on the tiles: the weights go straight into P's parts
         if pv_tiles:
             if masked:
-                _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg)
+                _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg, sc, True)
+            else:
+                block_max(ST, sc, nb, Rp, alpha)
             _new_max(Rp, m, l, alpha)
-            weight_parts(ST, nb, -(-nb // 32) * 32, Rp, -(-Rp // 32) * 32, m, l, pv[0], masked, jlo, jhi)
+            weight_parts(ST, sc, nb, -(-nb // 32) * 32, Rp, -(-Rp // 32) * 32, m, l, pv[0], masked, jlo, jhi)
         else:
             _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg)
         _prefetch_block(v_pages, pages, h, b1, nxt)

@@ -1,5 +1,5 @@
 """The per-query (decode) kernel on AMX tiles (`decode.kernels.amx_decode`): the query's exact bfloat16 parts laid
-out as columns, the value rows paired by the IR interleave (the same bits as `amx_blocks.value_pairs`), and
+out as columns, the value rows paired (`amx_blocks.value_pairs`), and
 decode queries over bfloat16 pages with >= MIN_GROUP q heads per kv head within the float32 budget of the float64
 oracle (`naive.budget`): head_dim 32 / 64 / 128, pages of 1 / 16 / 32 / 64 keys, windows, float32 and bfloat16
 q, serial / parallel / split into partials (their lanes in the pair order the merge expects), |q.k| ~ 10**3, the
@@ -96,22 +96,6 @@ def test_pack_columns_is_exact(G):
                 parts = vals.reshape(3, D // 2, G, 2).transpose(0, 2, 1, 3).reshape(3, G, D)  # [part, head, D]
                 assert not parts[npq:].any()
             assert np.array_equal(parts.sum(axis=0), q[h * G:(h + 1) * G].astype(np.float64))
-
-
-@pytest.mark.parametrize("P,b0,nb", [(16, 0, 128), (16, 5, 77), (32, 3, 31), (1, 0, 9), (64, 64, 128)])
-def test_pair_values_match_value_pairs(P, b0, nb):
-    """`pair_values` (the IR interleave, rows followed page by page) writes `amx_blocks.value_pairs`'s bits."""
-    rng = np.random.default_rng(P + b0 + nb)
-    n_pages = -(-(b0 + nb) // P) + 1
-    pool = zeros64(n_pages, 2 * P * 64, np.zeros(0, np.int16)).reshape(n_pages, 2, P, 64)
-    pool[:] = rng.integers(-2 ** 15, 2 ** 15, pool.shape, dtype=np.int64).astype(np.int16)
-    pages = rng.permutation(n_pages).astype(np.int32)
-    a = np.full((amx_decode.BLOCK // 2, 64), 9, np.uint32)
-    b = a.copy()
-    amx_blocks.value_pairs(pool, pages, 1, b0, nb, a)
-    amx_decode.pair_values(pool, pages, 1, b0, nb, b)
-    n = -(-nb // 32) * 16
-    assert np.array_equal(a[:n], b[:n])
 
 
 def _grid(reduced):

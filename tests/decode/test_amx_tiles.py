@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from decode.kernels import amx_blocks, amx_tiles
-from decode.kernels.simd import JIT
+from decode.kernels.simd import JIT, zeros64
 
 _spec = importlib.util.spec_from_file_location("decode_kernel_naive_amx", Path(__file__).with_name("naive.py"))
 naive = importlib.util.module_from_spec(_spec)
@@ -35,6 +35,26 @@ def _parts_values(QA, parts, D, cols):
         bits = QA[p * half:(p + 1) * half, :2 * cols].view(np.uint16).astype(np.uint32) << np.uint32(16)
         out.append(bits.view(np.float32).reshape(half, cols, 2).transpose(0, 2, 1).reshape(D, cols))
     return np.array(out, np.float64)
+
+
+@pytest.mark.parametrize("P,b0,nb", [(16, 0, 128), (16, 5, 77), (32, 3, 31), (1, 0, 9), (64, 64, 128), (8, 7, 2)])
+def test_value_pairs(P, b0, nb):
+    """`value_pairs` (the IR interleave, rows followed page by page): VB[k] = rows 2k (low halves) and 2k + 1 (high
+    halves) of the kv head's value rows at b0.., rows past nb zero, up to nb rounded to 32, nothing written after."""
+    rng = np.random.default_rng(P + b0 + nb)
+    n_pages = -(-(b0 + nb) // P) + 1
+    pool = zeros64(n_pages, 2 * P * 64, np.zeros(0, np.int16)).reshape(n_pages, 2, P, 64)
+    pool[:] = rng.integers(-2 ** 15, 2 ** 15, pool.shape, dtype=np.int64).astype(np.int16)
+    pages = rng.permutation(n_pages).astype(np.int32)
+    VB = np.full((80, 64), 9, np.uint32)
+    amx_blocks.value_pairs(pool, pages, 1, b0, nb, VB)
+    n = -(-nb // 32) * 32
+    rows = np.zeros((n, 64), np.uint32)
+    for j in range(nb):
+        t = b0 + j
+        rows[j] = pool[pages[t // P], 1, t % P].view(np.uint16)
+    assert np.array_equal(VB[:n // 2], rows[0::2] | (rows[1::2] << np.uint32(16)))
+    assert np.all(VB[n // 2:] == 9)
 
 
 @pytest.mark.parametrize("scale,kind", [(1.0, "float32"), (1e3, "float32"), (1.0, "bfloat16"), (1e-20, "float32")])

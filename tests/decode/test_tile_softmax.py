@@ -66,7 +66,7 @@ def _parts_value(PA):
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("nb,Rp,Rs", [(128, 128, 128), (100, 48, 64), (17, 16, 32), (128, 80, 96)])
 def test_weight_parts_match_float64(nb, Rp, Rs, masked):
-    """The tiled kernel's fused step: PA's parts sum to exp(ST - m) (float64 within the float32 exp's ~1e-7; 0
+    """The tiled kernel's fused step: PA's parts sum to exp(ST sc - m) (float64 within the float32 exp's ~1e-7; 0
     where masked, past nb and in the rows Rp..Rs), each part the exact truncation split of the weight, l += the
     weights."""
     rng = np.random.default_rng(nb * 1000 + Rp + masked)
@@ -82,16 +82,18 @@ def test_weight_parts_match_float64(nb, Rp, Rs, masked):
         j = np.arange(nb)[:, None]
         ST[:nb, :Rp] = np.where((j >= jlo[:Rp]) & (j <= jhi[:Rp]), ST[:nb, :Rp], np.float32(200.0))
     inside = ST[:nb, :Rp] < 100
-    m = (np.where(inside, ST[:nb, :Rp], -np.inf).max(axis=0) + rng.random(Rp)).astype(np.float32)
+    sc = np.float32(1 / np.sqrt(128))
+    m = (np.where(inside, ST[:nb, :Rp] * sc, -np.inf).max(axis=0) + rng.random(Rp)).astype(np.float32)
     m[~inside.any(axis=0)] = np.float32(-3.0e38)         # a row with no key in this block
-    tile_softmax.run_weight_parts(ST, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
-    d = (ST[:nb, :Rp] - m).astype(np.float64)              # the difference rounded to float32, as the kernel's
+    tile_softmax.run_weight_parts(ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
+    exact = ST[:nb, :Rp].astype(np.float64) * float(sc) - m.astype(np.float64)
+    d = exact.astype(np.float32).astype(np.float64)      # fma(ST, sc, -m): one rounding (at most one ulp apart)
     w = np.exp(d).T                                      # [Rp, nb]
     if masked:
         j = np.arange(nb)[None, :]
         w = np.where((j >= jlo[:Rp, None]) & (j <= jhi[:Rp, None]), w, 0.0)
     got = _parts_value(PA[:, :Rp, :nb])
-    np.testing.assert_allclose(got, w, rtol=3e-7, atol=0)
+    np.testing.assert_allclose(got, w, rtol=3e-7 + 1.2e-7 * np.abs(d.T).max(), atol=0)
     assert np.all(got[w == 0] == 0)
     assert np.all(PA[:, :Rp, nb:nbp] == 0) and np.all(PA[:, Rp:Rs, :nbp] == 0)
     assert np.all(PA[:, Rs:] == 0x5555) and np.all(PA[:, :, nbp:] == 0x5555)
@@ -103,3 +105,21 @@ def test_weight_parts_match_float64(nb, Rp, Rs, masked):
     assert np.array_equal(PA[1, :Rp, :nb].view(np.uint16).astype(np.uint32) << np.uint32(16), rest)
     np.testing.assert_allclose(l[:Rp], l0 + w.sum(axis=1), rtol=2e-6)
     assert np.all(l[Rp:] == -5.0)
+
+
+@pytest.mark.parametrize("nb", [1, 37, 128])
+@pytest.mark.parametrize("Rp", [16, 48, 128, 144, 272])
+def test_block_max_is_the_scaled_column_max(nb, Rp):
+    """block_max: mx[r] = max(mx[r], the largest of the block's scores in column r, times sc), bit for bit the
+    maximum of the rounded scaled scores; columns from Rp and the mx entries past them untouched."""
+    rng = np.random.default_rng(nb * 7 + Rp)
+    ST = (rng.standard_normal((nb + 3, Rp + 16)) * 50).astype(np.float32)
+    ST[nb:] = 1e30                                       # rows past nb: never read
+    ST[:, Rp:] = 1e30                                    # columns past Rp: never read
+    sc = np.float32(1 / np.sqrt(128))
+    mx0 = (rng.standard_normal(Rp + 8) * 20).astype(np.float32)
+    mx = mx0.copy()
+    tile_softmax.run_block_max(ST, sc, nb, Rp, mx)
+    want = np.maximum(mx0[:Rp], (ST[:nb, :Rp] * sc).max(axis=0))
+    assert np.array_equal(mx[:Rp], want)
+    assert np.array_equal(mx[Rp:], mx0[Rp:])
