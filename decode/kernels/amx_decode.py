@@ -11,8 +11,8 @@ output element, is the float32 sum of its parts' sums: per kv head and block of 
     W [nb, G]          =  the sum over parts of ST's columns, then the online softmax over keys x heads (unscaled
                           running max m, sum l; O's rows of head g rescaled with it), exp((W - max) * scale): a
                           whole row of 16 heads per 512-bit op (`tile_softmax`)
-    S [G, nb]          <- W^T  (16 x 16 register transposes, `gemm.transpose_rows`)
-    PA [3 G, nb]       <- S split into three exact parts, rows p * G + g
+    PA [3 G, nb]       <- the weights, 16 keys x 16 heads at a time transposed in registers and split into three
+                          exact parts, rows p * G + g (`tile_softmax.head_parts`)
     O [3 G, Dv]        += PA . V_block's key pairs (`amx_tiles.amx_pv`; a unit's first block from zero tiles)
 
 and the output row of head g is (O[g] + O[G + g] + O[2 G + g]) / l[g]. Where G is a multiple of 32 (the heads
@@ -39,7 +39,7 @@ from numba import njit, types
 
 from .amx_blocks import stage_keys, value_pairs
 from .amx_tiles import HOST, amx_pv, amx_scores, tile_config
-from .bf16_dot import exactly_bf16, high as _high, split3
+from .bf16_dot import exactly_bf16, split3
 from .tile_softmax import block_softmax
 from .simd import FAST, JIT, borrow, zeros64
 
@@ -59,10 +59,10 @@ def _cols16(n):
 
 
 def _buffers(H, D, Dv, G, use):
-    """(QA, Kt, ST [BLOCK, R + 16], W [BLOCK, G16], S [G16, BLOCK], PA [R, BLOCK], VB [BLOCK / 2, Dv], O [H, R,
-    Dv], m [H, G], l [H, G], off, cfg, red [3, G16]) for H kv heads of G q heads (R = 3 G rounded up to 32, G16 = G
-    rounded up to 16; QA [H, D / 2, 2 R] with the parts side by side, [H, 3 D / 2, 2 G] `stacked` where G is a
-    multiple of 32; ST's 16 more columns: `block_softmax` reads whole vectors of heads); empty unless ``use``."""
+    """(QA, Kt, ST [BLOCK, R + 16], W [BLOCK, G16], PA [R, BLOCK], VB [BLOCK / 2, Dv], O [H, R, Dv], m [H, G], l
+    [H, G], cfg, red [3, G16]) for H kv heads of G q heads (R = 3 G rounded up to 32, G16 = G rounded up to 16; QA
+    [H, D / 2, 2 R] with the parts side by side, [H, 3 D / 2, 2 G] `stacked` where G is a multiple of 32; ST's 16
+    more columns: `block_softmax` reads whole vectors of heads); empty unless ``use``."""
     if not use:
         H = 0
         G = 0
@@ -73,10 +73,10 @@ def _buffers(H, D, Dv, G, use):
     qrows, qcols = (3 * (D // 2), 2 * G) if G % 32 == 0 else (D // 2, 2 * R)    # `stacked` / side by side
     return (zeros64(H * qrows, qcols, np.zeros(0, np.int16)).reshape((H, qrows, qcols)),
             zeros64(nb, D, np.zeros(0, np.int16)), zeros64(nb, R + 16, np.zeros(0, np.float32)),
-            np.zeros((nb, _cols16(G)), np.float32), np.zeros((_cols16(G), nb), np.float32),
-            zeros64(R, nb, np.zeros(0, np.int16)), zeros64(nb // 2, Dv, np.zeros(0, np.uint32)),
+            np.zeros((nb, _cols16(G)), np.float32), zeros64(R, nb, np.zeros(0, np.int16)),
+            zeros64(nb // 2, Dv, np.zeros(0, np.uint32)),
             zeros64(H * R, Dv, np.zeros(0, np.float32)).reshape((H, R, Dv)), np.zeros((H, G), np.float32),
-            np.zeros((H, G), np.float32), np.zeros(16, np.int64), tile_config(), np.zeros((3, _cols16(G)), np.float32))
+            np.zeros((H, G), np.float32), tile_config(), np.zeros((3, _cols16(G)), np.float32))
 
 
 def takes_tiles(k_pages, v_pages, q, acc0, H, dot):
@@ -148,19 +148,6 @@ def pack_columns(qi, h, G, npq, QA, R, stack):
                 packed[k, c] = 0
 
 
-def split_weights(S, G, n, PA):
-    """PA[p * G + g, j] = the bfloat16 bits of part p of S[g, j] (j < n; three parts, `bf16_dot.split3`). Two-index
-    element access throughout, here and in the block steps below: a row view in a loop costs a reference-count
-    call pair per row even on borrowed arrays."""
-    bits = S.view(np.uint32)
-    for g in range(G):
-        for j in range(n):
-            a, b, c = split3(S[g, j], bits[g, j])
-            PA[g, j] = _high(a)
-            PA[G + g, j] = _high(b)
-            PA[2 * G + g, j] = _high(c)
-
-
 def store_head(O, l, m, G, h, out_i, w, wm, wl, wacc):
     """Head group h's result: out_i[h * G + g] = (O[g] + O[G + g] + O[2 G + g]) / l[g] (w < 0), or the partial
     (m, l, the sum) at slot w, by dim (not in the pair order of the other bfloat16 paths: the merge is told,
@@ -183,10 +170,9 @@ def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm,
     (`pages`: its page row): blocks of BLOCK keys (cut at absolute multiples), each over every kv head in turn (the
     walk reads a page's heads one after another), on the tiles; then `store_head` per head. buf: `decode_scratch`'s
     buffers."""
-    QA, Kt, ST, W, S, PA, VB, O, m, l, off, cfg, red = buf
-    QA, Kt, ST, W, S, PA, VB, O, m, l, off, cfg, red = (borrow(QA), borrow(Kt), borrow(ST), borrow(W), borrow(S),
-                                                        borrow(PA), borrow(VB), borrow(O), borrow(m), borrow(l),
-                                                        borrow(off), borrow(cfg), borrow(red))
+    QA, Kt, ST, W, PA, VB, O, m, l, cfg, red = buf
+    QA, Kt, ST, W, PA, VB, O, m, l, cfg, red = (borrow(QA), borrow(Kt), borrow(ST), borrow(W), borrow(PA), borrow(VB),
+                                                borrow(O), borrow(m), borrow(l), borrow(cfg), borrow(red))
     k_pages, v_pages, pages = borrow(k_pages), borrow(v_pages), borrow(pages)
     H = k_pages.shape[1]
     G = m.shape[1]
@@ -206,8 +192,7 @@ def attend_query(k_pages, v_pages, pages, lo, hi, scale, npq, buf, out_i, w, wm,
             Oh = O[h]
             stage_keys(k_pages, pages, h, b0, nb, Kt)
             amx_scores(k_pages, pages, h, b0, nb, Kt, QA[h], tp, ST, R, cfg)
-            block_softmax(cp, G, nb, nbp, ST, W, S, off, red, m[h], l[h], Oh, b0 == lo, scale)
-            split_weights(S, G, nbp, PA)
+            block_softmax(cp, G, nb, nbp, ST, W, PA, red, m[h], l[h], Oh, b0 == lo, scale)
             value_pairs(v_pages, pages, h, b0, nb, VB)
             amx_pv(PA1, 1, VB, Oh, Rs, nbp, Dv, b0 == lo, cfg)
         b0 = b1
@@ -223,7 +208,6 @@ if JIT:
     _buffers = njit(cache=True)(_buffers)
     pack_columns = njit(cache=True)(pack_columns)        # no fastmath: x - hi must be the exact difference
     stacked = njit(inline="always")(stacked)
-    split_weights = njit(cache=True)(split_weights)      # no fastmath: as above
     store_head = njit(cache=True, fastmath=FAST)(store_head)
     _attend_jit = njit(cache=True, fastmath=FAST)(attend_query) if HOST else None
 

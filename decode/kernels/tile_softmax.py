@@ -9,11 +9,12 @@ whole rows of heads: each row is one vector op per 16 heads, where numba's own l
 
     sum_parts_max(ST, W, red, nb, G, parts, g0)  W[j, g0:g0+16] = the sum over parts of ST's columns (j < nb),
                                                  red[0, g0:g0+16] = their maxima over j
-    exp_rows(W, red, nb, nbp, g0, scale)         W[j, g0:g0+16] <- exp((W - red[2]) * scale) (j < nb, zero to
-                                                 nbp), red[1, g0:g0+16] = their sums in key order
-    block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale)
-                                                 the whole step: the two above, the running max / sum update (O's
-                                                 rows rescaled), W^T into S
+    head_parts(W, red, nb, nbp, G, scale, PA)    the weights exp((W - red[2]) * scale) of 16 keys x 16 heads at a
+                                                 time, transposed in registers and split into three exact parts,
+                                                 PA's rows p G + g; red[1] = their sums in key order
+    block_softmax(npq, G, nb, nbp, ST, W, PA, red, m, l, O, first, scale)
+                                                 the whole step: the two above and the running max / sum update
+                                                 (O's rows rescaled)
 
 The tiled kernel's blocks (`tiled.attend_tile` where the PV product runs on the tiles: scores ST [keys, rows],
 unscaled, straight off the tiles):
@@ -30,7 +31,6 @@ import numpy as np
 from numba import njit, types
 
 from .bf16_dot import high, split3
-from .gemm import transpose_rows
 from .simd import EXP_FLAGS, JIT, exp, exp_inline
 
 LANES = 16          # heads per vector (W's columns are a multiple of it)
@@ -49,27 +49,30 @@ def sum_parts_max(ST, W, red, nb, G, parts, g0):
             red[0, g] = x if j == 0 else max(red[0, g], x)
 
 
-def exp_rows(W, red, nb, nbp, g0, scale):
-    """W[j, g0 + i] <- exp_inline((W[j, g0 + i] - red[2, g0 + i]) * scale) for j < nb, 0 for nb <= j < nbp;
-    red[1, g0 + i] = the sum of the new values over j, in key order (i < 16)."""
-    for i in range(LANES):
-        g = g0 + i
+def head_parts(W, red, nb, nbp, G, scale, PA):
+    """PA[p * G + g, j] = the bfloat16 bits of part p (`bf16_dot.split3`, exact) of the weight exp_inline((W[j, g]
+    - red[2, g]) * scale) for g < G, j < nb, and 0 for nb <= j < nbp; red[1, g] = the weights' sum over j in key
+    order (g < W's columns: those past G are scratch). W [>= nbp, G16] keys x heads; PA int16 [>= 3 G, >= nbp]."""
+    for g in range(W.shape[1]):
         s = np.float32(0.0)
-        for j in range(nb):
-            e = exp_inline((W[j, g] - red[2, g]) * scale)
-            W[j, g] = e
+        for j in range(nbp):
+            e = np.float32(exp_inline((W[j, g] - red[2, g]) * scale)) if j < nb else np.float32(0.0)
             s = s + e
-        for j in range(nb, nbp):
-            W[j, g] = 0.0
+            if g < G:
+                a, b, c = split3(e, np.float32(e).view(np.uint32))
+                PA[g, j] = high(a)
+                PA[G + g, j] = high(b)
+                PA[2 * G + g, j] = high(c)
         red[1, g] = s
 
 
-def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
+def block_softmax(npq, G, nb, nbp, ST, W, PA, red, m, l, O, first, scale):
     """The scores of a block, ST [nb, npq G columns] (part p of head g in column p G + g), summed over the parts
     into W [nb, G16] (keys x heads, G16 = G rounded up to 16: whole vectors of heads; the columns past G are
     scratch), the online-softmax update (`blocks.softmax_block`'s: unscaled running max m, sums l, O's rows p G + g
-    rescaled when head g's max grew), W <- exp((W - m) * scale), then W^T into S [G16, nbp] (16 x 16 transposes;
-    keys nb..nbp zero). red [3, G16]: scratch rows (block max, block sums, the max used)."""
+    rescaled when head g's max grew), then the weights exp((W - m) * scale) split into their three exact parts,
+    PA's rows p G + g (`head_parts`: keys nb..nbp zero). red [3, G16]: scratch rows (block max, block sums, the max
+    used)."""
     GP = W.shape[1]
     Dv = O.shape[1]
     for g0 in range(0, GP, LANES):
@@ -89,11 +92,9 @@ def block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale):
         red[2, g] = m[g]
     for g in range(G, GP):
         red[2, g] = red[0, g]
-    for g0 in range(0, GP, LANES):
-        exp_rows(W, red, nb, nbp, g0, scale)
+    head_parts(W, red, nb, nbp, G, scale, PA)
     for g in range(G):
         l[g] += red[1, g]
-    transpose_rows(W, nbp, GP, off, S)
 
 
 def block_max(ST, sc, nb, Rp, mx):
@@ -219,31 +220,6 @@ if JIT:
                     _sum_loop(builder, st, stc, w, wc, red_, nb, G_, g0_, 1)
             return context.get_dummy_value()
         return types.void(ST, W, red, nb, G, parts, g0), codegen
-
-    @intrinsic
-    def _exp_rows_ir(typingctx, W, red, nb, nbp, g0, scale):
-        if not (_is_f32_2d(W) and _is_f32_2d(red) and scale == types.float32):
-            return None
-
-        def codegen(context, builder, sig, args):
-            w, wc = _rows(context, builder, sig.args[0], args[0])
-            red_, rc = _rows(context, builder, sig.args[1], args[1])
-            nb, nbp, g0_ = (context.cast(builder, a, t, types.int64) for a, t in zip(args[2:5], sig.args[2:5]))
-            sc = builder.insert_element(_ir.Constant(_VF, None), args[5], _ir.Constant(_ir.IntType(32), 0))
-            sc = builder.shuffle_vector(sc, _ir.Constant(_VF, None), _ir.Constant(_VI, [0] * LANES))
-            m = builder.load(_vptr(builder, red_, builder.add(builder.add(rc, rc), g0_)), align=4)
-            acc = _cg.alloca_once_value(builder, _splat(0.0))
-            with _cg.for_range(builder, nb) as loop:
-                p = _vptr(builder, w, builder.add(builder.mul(loop.index, wc), g0_))
-                e = _exp_ir(builder, builder.fmul(builder.fsub(builder.load(p, align=4), m), sc))
-                builder.store(e, p, align=4)
-                builder.store(builder.fadd(builder.load(acc), e), acc)
-            with _cg.for_range(builder, builder.sub(nbp, nb)) as loop:
-                j = builder.add(nb, loop.index)
-                builder.store(_splat(0.0), _vptr(builder, w, builder.add(builder.mul(j, wc), g0_)), align=4)
-            builder.store(builder.load(acc), _vptr(builder, red_, builder.add(rc, g0_)), align=4)
-            return context.get_dummy_value()
-        return types.void(W, red, nb, nbp, g0, scale), codegen
 
     _I16V = _ir.VectorType(_ir.IntType(16), LANES)
     _HIGH = _ir.Constant(_VI, [-65536] * LANES)         # 0xFFFF0000: a float32's high (bfloat16) half
@@ -417,13 +393,54 @@ if JIT:
                 ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi)
         return lambda ST, sc, nb, nbp, Rp, Rs, m, l, PA, masked, jlo, jhi: None   # other compute dtypes never reach it
 
+
     @overload(sum_parts_max, inline="always")
     def _sum_parts_max_ov(ST, W, red, nb, G, parts, g0):
         return lambda ST, W, red, nb, G, parts, g0: _sum_parts_max_ir(ST, W, red, nb, G, parts, g0)
 
-    @overload(exp_rows, inline="always")
-    def _exp_rows_ov(W, red, nb, nbp, g0, scale):
-        return lambda W, red, nb, nbp, g0, scale: _exp_rows_ir(W, red, nb, nbp, g0, scale)
+    @intrinsic
+    def _head_parts_ir(typingctx, W, red, nb, nbp, G, scale, PA):
+        if not (_is_f32_2d(W) and _is_f32_2d(red) and scale == types.float32 and isinstance(PA, types.Array)
+                and PA.dtype == types.int16 and PA.ndim == 2 and PA.layout == "C"):
+            return None
+
+        def codegen(context, builder, sig, args):
+            w, wc = _rows(context, builder, sig.args[0], args[0])
+            red_, rc = _rows(context, builder, sig.args[1], args[1])
+            nb, nbp, G = (context.cast(builder, a, t, types.int64) for a, t in zip(args[2:5], sig.args[2:5]))
+            sc = _broadcast(builder, args[5])
+            pa = context.make_array(sig.args[6])(context, builder, args[6])
+            pcol = _cg.unpack_tuple(builder, pa.shape, 2)[1]
+            i16p = _I16V.as_pointer()
+            sixteen = _ir.Constant(_I64, LANES)
+            with _cg.for_range(builder, builder.sdiv(wc, sixteen)) as gl:
+                g0 = builder.mul(gl.index, sixteen)
+                mv = builder.load(_vptr(builder, red_, builder.add(builder.add(rc, rc), g0)), align=4)
+                acc = _cg.alloca_once_value(builder, _splat(0.0))
+                with _cg.for_range(builder, builder.sdiv(nbp, sixteen)) as jl:
+                    j0 = builder.mul(jl.index, sixteen)
+                    es = []
+                    for i in range(LANES):
+                        j = builder.add(j0, _ir.Constant(_I64, i))
+                        x = builder.load(_vptr(builder, w, builder.add(builder.mul(j, wc), g0)), align=4)
+                        e = _exp_ir(builder, builder.fmul(builder.fsub(x, mv), sc))
+                        e = builder.select(builder.icmp_signed("<", j, nb), e, _splat(0.0))
+                        builder.store(builder.fadd(builder.load(acc), e), acc)
+                        es.append(e)
+                    for k, t in enumerate(_transpose(builder, es)):
+                        g = builder.add(g0, _ir.Constant(_I64, k))
+                        with builder.if_then(builder.icmp_signed("<", g, G)):
+                            ptrs = [builder.bitcast(builder.gep(pa.data, [builder.add(builder.mul(
+                                builder.add(builder.mul(_ir.Constant(_I64, p), G), g), pcol), j0)]), i16p)
+                                for p in range(3)]
+                            _split_store(builder, t, ptrs)
+                builder.store(builder.load(acc), _vptr(builder, red_, builder.add(rc, g0)), align=4)
+            return context.get_dummy_value()
+        return types.void(W, red, nb, nbp, G, scale, PA), codegen
+
+    @overload(head_parts, inline="always")
+    def _head_parts_ov(W, red, nb, nbp, G, scale, PA):
+        return lambda W, red, nb, nbp, G, scale, PA: _head_parts_ir(W, red, nb, nbp, G, scale, PA)
 
     block_softmax = njit(cache=True, fastmath=EXP_FLAGS)(block_softmax)
     run_weight_parts = njit(cache=True)(run_weight_parts)

@@ -1,10 +1,10 @@
-"""`decode.kernels.tile_softmax`: the AMX decode's online softmax over a block of scores laid out keys x heads
-(512-bit IR under the JIT), against a float64 NumPy computation of the same step."""
+"""`decode.kernels.tile_softmax`: the AMX paths' online-softmax steps over a block of scores laid out keys x heads
+(decode) or keys x rows (the tiled kernel), 512-bit IR under the JIT, against float64 NumPy computations of the same
+steps; the weights' bfloat16 parts checked exact."""
 import numpy as np
 import pytest
 
 from decode.kernels import tile_softmax
-from decode.kernels.gemm import transpose_rows  # noqa: F401  (the step's transposition, jitted with it)
 
 pytestmark = pytest.mark.kernel
 
@@ -17,9 +17,8 @@ def _step(rng, G, npq, nb, first, grow):
     Dv = 32
     ST = (rng.standard_normal((nbp, R + 16)) * 4).astype(np.float32)
     W = np.full((nbp, GP), np.nan, np.float32)
-    S = np.full((GP, nbp), np.nan, np.float32)
+    PA = np.full((R + 16, nbp + 16), 0x5555, np.int16)
     red = np.zeros((3, GP), np.float32)
-    off = np.zeros(16, np.int64)
     scores = ST[:nb, :G].astype(np.float64)
     if npq == 3:
         scores = scores + ST[:nb, G:2 * G] + ST[:nb, 2 * G:3 * G]
@@ -30,7 +29,7 @@ def _step(rng, G, npq, nb, first, grow):
     O0 = rng.standard_normal((R, Dv)).astype(np.float32)
     O = O0.copy()
     scale = np.float32(0.125)
-    tile_softmax.block_softmax(npq, G, nb, nbp, ST, W, S, off, red, m, l, O, first, scale)
+    tile_softmax.block_softmax(npq, G, nb, nbp, ST, W, PA, red, m, l, O, first, scale)
     if first:
         m_new, alpha = scores.max(axis=0), np.zeros(G)
     else:
@@ -42,17 +41,23 @@ def _step(rng, G, npq, nb, first, grow):
     if not first:
         for p in range(3):
             O_new[p * G:(p + 1) * G] *= alpha[:, None]
-    return (S, m, l, O), (e, m_new, l_new, O_new, nb, nbp, G)
+    return (PA, m, l, O), (e, m_new, l_new, O_new, nb, nbp, G)
 
 
 @pytest.mark.parametrize("G,npq", [(4, 3), (16, 3), (16, 1), (32, 1), (32, 3), (40, 3)])
 @pytest.mark.parametrize("nb,first,grow", [(128, True, False), (100, False, True), (37, False, False)])
 def test_block_softmax_matches_float64(G, npq, nb, first, grow):
     rng = np.random.default_rng(G * 100 + npq * 10 + nb)
-    (S, m, l, O), (e, m_new, l_new, O_new, nb, nbp, G) = _step(rng, G, npq, nb, first, grow)
+    (PA, m, l, O), (e, m_new, l_new, O_new, nb, nbp, G) = _step(rng, G, npq, nb, first, grow)
     np.testing.assert_allclose(m, m_new, rtol=1e-6)
-    np.testing.assert_allclose(S[:G, :nb].T, e, rtol=2e-6, atol=1e-30)
-    assert np.all(S[:G, nb:nbp] == 0.0)
+    weights = _parts_value(PA[:3 * G].reshape(3, G, -1))        # [G, nbp + 16]: the three parts' exact sum
+    np.testing.assert_allclose(weights[:, :nb].T, e, rtol=2e-6, atol=1e-30)
+    assert np.all(PA[:3 * G, nb:nbp] == 0)
+    assert np.all(PA[3 * G:] == 0x5555) and np.all(PA[:, nbp:] == 0x5555)     # nothing written past them
+    whole = weights[:, :nb].astype(np.float32)                 # each weight as float32: its parts sum to it
+    assert np.array_equal(whole.astype(np.float64), weights[:, :nb])
+    hi = PA[:G, :nb].view(np.uint16).astype(np.uint32) << np.uint32(16)
+    assert np.array_equal(hi, whole.view(np.uint32) & np.uint32(0xFFFF0000))
     np.testing.assert_allclose(l, l_new, rtol=2e-6)
     np.testing.assert_allclose(O, O_new, rtol=2e-6, atol=1e-30)
 
