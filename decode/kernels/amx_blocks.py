@@ -203,6 +203,8 @@ if JIT:
     from numba.core import cgutils as _cg
     from numba.extending import intrinsic, overload
 
+    from .vector_ir import split3_ir
+
     stage_keys = njit(cache=True)(stage_keys)
     _pv_buffers = njit(cache=True)(_pv_buffers)
 
@@ -233,19 +235,10 @@ if JIT:
     def _pair32_ov(src, ia, ib, dst, io):
         return lambda src, ia, ib, dst, io: _pair32_ir(src, ia, ib, dst, io)
 
-    _F16 = _ir.VectorType(_ir.FloatType(), 16)
-    _I16 = _ir.VectorType(_ir.IntType(32), 16)
-    _H16 = _ir.VectorType(_ir.IntType(16), 16)
-    _H32 = _ir.VectorType(_ir.IntType(16), 32)
-    _MASK = _ir.Constant(_I16, [-65536] * 16)
-
-    def _split16(builder, x):
-        """`split3` on 16 lanes: the bits (hi, r1, r2) of x, x - hi, x - hi - mid (exact differences)."""
-        u = builder.bitcast(x, _I16)
-        r1 = builder.fsub(x, builder.bitcast(builder.and_(u, _MASK), _F16))
-        u1 = builder.bitcast(r1, _I16)
-        u2 = builder.bitcast(builder.fsub(r1, builder.bitcast(builder.and_(u1, _MASK), _F16)), _I16)
-        return u, u1, u2
+    _F32X16 = _ir.VectorType(_ir.FloatType(), 16)
+    _I32X16 = _ir.VectorType(_ir.IntType(32), 16)
+    _I16X16 = _ir.VectorType(_ir.IntType(16), 16)
+    _I16X32 = _ir.VectorType(_ir.IntType(16), 32)
 
     @intrinsic
     def _pack_parts_ir(typingctx, QT, Rp, QA):
@@ -262,9 +255,9 @@ if JIT:
             Rp = context.cast(builder, args[1], sig.args[1], types.int64)
             half = builder.sdiv(D, _ir.Constant(i64, 2))
             c16 = _ir.Constant(i64, 16)
-            s16 = _ir.Constant(_I16, [16] * 16)
+            s16 = _ir.Constant(_I32X16, [16] * 16)
             weave = _ir.Constant(_ir.VectorType(_ir.IntType(32), 32), [x for i in range(16) for x in (i, 16 + i)])
-            zero = _ir.Constant(_I16, [0] * 16)
+            zero = _ir.Constant(_I32X16, [0] * 16)
             m1 = _cg.alloca_once_value(builder, zero)
             m2 = _cg.alloca_once_value(builder, zero)
             with _cg.for_range(builder, half) as kl:
@@ -275,26 +268,26 @@ if JIT:
                     for e in (0, 1):
                         row = builder.add(builder.mul(k, _ir.Constant(i64, 2)), _ir.Constant(i64, e))
                         ptr = builder.gep(qt.data, [builder.add(builder.mul(row, qc), r0)])
-                        sp.append(_split16(builder, builder.load(builder.bitcast(ptr, _F16.as_pointer()), align=4)))
+                        sp.append(split3_ir(builder, builder.load(builder.bitcast(ptr, _F32X16.as_pointer()), align=4)))
                     builder.store(builder.or_(builder.load(m1), builder.or_(sp[0][1], sp[1][1])), m1)
                     builder.store(builder.or_(builder.load(m2), builder.or_(sp[0][2], sp[1][2])), m2)
                     for p in range(3):
-                        lo, hi = (builder.trunc(builder.lshr(sp[e][p], s16), _H16) for e in (0, 1))
+                        lo, hi = (builder.trunc(builder.lshr(sp[e][p], s16), _I16X16) for e in (0, 1))
                         row = builder.add(builder.mul(_ir.Constant(i64, p), half), k)
                         ptr = builder.gep(qa.data, [builder.add(builder.mul(row, ac), builder.add(r0, r0))])
-                        builder.store(builder.shuffle_vector(lo, hi, weave), builder.bitcast(ptr, _H32.as_pointer()),
+                        builder.store(builder.shuffle_vector(lo, hi, weave), builder.bitcast(ptr, _I16X32.as_pointer()),
                                       align=2)
-            zeros = _ir.Constant(_H32, [0] * 32)
+            zeros = _ir.Constant(_I16X32, [0] * 32)
             tail = builder.sdiv(builder.sub(ac, builder.add(Rp, Rp)), _ir.Constant(i64, 32))
             with _cg.for_range(builder, rows) as rl:
                 with _cg.for_range(builder, tail) as cl:
                     o = builder.add(builder.add(Rp, Rp), builder.mul(cl.index, _ir.Constant(i64, 32)))
                     ptr = builder.gep(qa.data, [builder.add(builder.mul(rl.index, ac), o)])
-                    builder.store(zeros, builder.bitcast(ptr, _H32.as_pointer()), align=2)
-            absmask = _ir.Constant(_I16, [0x7FFFFFFF] * 16)
+                    builder.store(zeros, builder.bitcast(ptr, _I16X32.as_pointer()), align=2)
+            absmask = _ir.Constant(_I32X16, [0x7FFFFFFF] * 16)
 
             def any_bits(acc):
-                fn = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_ir.IntType(32), [_I16]),
+                fn = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_ir.IntType(32), [_I32X16]),
                                                 "llvm.vector.reduce.or.v16i32")
                 v = builder.call(fn, [builder.and_(builder.load(acc), absmask)])
                 return builder.icmp_unsigned("!=", v, _ir.Constant(_ir.IntType(32), 0))

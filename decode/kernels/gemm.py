@@ -123,7 +123,7 @@ if JIT:
     from numba.core import cgutils as _cg
 
     from . import bf16_dot
-    from .vector_ir import vload_ir
+    from .vector_ir import transpose16_ir, vload_ir
 
     _I64 = _ir.IntType(64)
     _I32 = _ir.IntType(32)
@@ -447,17 +447,7 @@ if JIT:
             for k in range(16):
                 o = builder.add(builder.load(builder.gep(offs, [_ir.Constant(_I64, k)])), d0_)
                 rows.append(builder.load(builder.bitcast(builder.gep(src, [o]), vt.as_pointer()), align=4))
-            for bit in (1, 2, 4, 8):       # swap bit `bit` of the row index with the same bit of the lane index
-                new = list(rows)
-                for a in range(16):
-                    if a & bit:
-                        continue
-                    b = a | bit
-                    lo = [j if not j & bit else 16 + (j ^ bit) for j in range(16)]    # a[j] or b[j ^ bit]
-                    hi = [(j | bit) if not j & bit else 16 + j for j in range(16)]    # a[j | bit] or b[j]
-                    new[a] = builder.shuffle_vector(rows[a], rows[b], _ir.Constant(_ir.VectorType(_I32, 16), lo))
-                    new[b] = builder.shuffle_vector(rows[a], rows[b], _ir.Constant(_ir.VectorType(_I32, 16), hi))
-                rows = new
+            rows = transpose16_ir(builder, rows)
             for j in range(16):
                 p = builder.gep(q_data, [builder.add(builder.mul(builder.add(d0_, _ir.Constant(_I64, j)), q_cols),
                                                      r0_)])

@@ -150,6 +150,7 @@ if JIT:
     from numba.extending import intrinsic, overload
 
     from .simd import EXPF_CONSTANTS
+    from .vector_ir import split3_ir, transpose16_ir
 
     _EXP_MIN, _LOG2E, _LN2_HI, _LN2_LO, _POLY = EXPF_CONSTANTS
 
@@ -222,31 +223,11 @@ if JIT:
         return types.void(ST, W, red, nb, G, parts, g0), codegen
 
     _I16V = _ir.VectorType(_ir.IntType(16), LANES)
-    _HIGH = _ir.Constant(_VI, [-65536] * LANES)         # 0xFFFF0000: a float32's high (bfloat16) half
     _S16 = _ir.Constant(_VI, [16] * LANES)
-
-    def _transpose(builder, rows):
-        """16 vectors of 16 lanes transposed: out[k][i] = rows[i][k] (`gemm.transpose16`'s shuffle network)."""
-        for bit in (1, 2, 4, 8):
-            new = list(rows)
-            for a in range(16):
-                if a & bit:
-                    continue
-                b = a | bit
-                lo = [j if not j & bit else 16 + (j ^ bit) for j in range(16)]
-                hi = [(j | bit) if not j & bit else 16 + j for j in range(16)]
-                new[a] = builder.shuffle_vector(rows[a], rows[b], _ir.Constant(_VI, lo))
-                new[b] = builder.shuffle_vector(rows[a], rows[b], _ir.Constant(_VI, hi))
-            rows = new
-        return rows
 
     def _split_store(builder, x, ptrs):
         """The three exact bfloat16 parts of the 16 lanes of x (`bf16_dot.split3`), stored at ptrs (16 x int16)."""
-        u = builder.bitcast(x, _VI)
-        r1 = builder.fsub(x, builder.bitcast(builder.and_(u, _HIGH), _VF))
-        u1 = builder.bitcast(r1, _VI)
-        u2 = builder.bitcast(builder.fsub(r1, builder.bitcast(builder.and_(u1, _HIGH), _VF)), _VI)
-        for bits, ptr in zip((u, u1, u2), ptrs):
+        for bits, ptr in zip(split3_ir(builder, x), ptrs):
             builder.store(builder.trunc(builder.lshr(bits, _S16), _I16V), ptr, align=2)
 
     def _is_vec_f32(a):
@@ -370,11 +351,11 @@ if JIT:
                     with builder.if_else(masked_) as (with_mask, without):
                         with with_mask:
                             es = _weights(builder, st, stc, sc, r0, j0, nb, mv, acc, bounds)
-                            for k, t in enumerate(_transpose(builder, es)):
+                            for k, t in enumerate(transpose16_ir(builder, es)):
                                 _split_store(builder, t, parts_at(builder.add(r0, _ir.Constant(_I64, k)), j0))
                         with without:
                             es = _weights(builder, st, stc, sc, r0, j0, nb, mv, acc, None)
-                            for k, t in enumerate(_transpose(builder, es)):
+                            for k, t in enumerate(transpose16_ir(builder, es)):
                                 _split_store(builder, t, parts_at(builder.add(r0, _ir.Constant(_I64, k)), j0))
                 builder.store(builder.load(acc), _vptr(builder, l_, r0), align=4)
             zero = _ir.Constant(_I16V, [0] * LANES)
@@ -427,7 +408,7 @@ if JIT:
                         e = builder.select(builder.icmp_signed("<", j, nb), e, _splat(0.0))
                         builder.store(builder.fadd(builder.load(acc), e), acc)
                         es.append(e)
-                    for k, t in enumerate(_transpose(builder, es)):
+                    for k, t in enumerate(transpose16_ir(builder, es)):
                         g = builder.add(g0, _ir.Constant(_I64, k))
                         with builder.if_then(builder.icmp_signed("<", g, G)):
                             ptrs = [builder.bitcast(builder.gep(pa.data, [builder.add(builder.mul(

@@ -7,6 +7,8 @@ the bfloat16 pair widening. Functions of an llvmlite ``builder``; they emit code
     row_ptr_ir(context, builder, aryty, arr, row) -> pointer to element [row, 0] of a C-contiguous 2-D array
     vload_ir / vload_masked_ir(...) -> <lanes x compute> from storage, widened exactly (`widen_ir`)
     reduce_many_ir(builder, accs, lanes) -> the sums of n accumulators (one butterfly of shuffles)
+    transpose16_ir(builder, rows) -> 16 vectors of 16 lanes transposed (a 4-stage shuffle network)
+    split3_ir(builder, x) -> the bits of `bf16_dot.split3`'s three exact bfloat16 parts of float32 lanes
 """
 from llvmlite import ir as _ir
 from numba import types
@@ -137,3 +139,36 @@ def bf16_pairs_ir(builder, x):
     even = builder.shl(x, _ir.Constant(i32v, [16] * 16))
     odd = builder.and_(x, _ir.Constant(i32v, [0xFFFF0000 - (1 << 32)] * 16))
     return builder.bitcast(even, fv), builder.bitcast(odd, fv)
+
+
+def transpose16_ir(builder, rows):
+    """16 vectors of 16 lanes transposed, out[k][i] = rows[i][k]: four stages, each swapping one bit of the row
+    index with the same bit of the lane index (two-source shuffles)."""
+    vi = _ir.VectorType(I32, 16)
+    for bit in (1, 2, 4, 8):
+        new = list(rows)
+        for a in range(16):
+            if a & bit:
+                continue
+            b = a | bit
+            lo = [j if not j & bit else 16 + (j ^ bit) for j in range(16)]    # a[j] or b[j ^ bit]
+            hi = [(j | bit) if not j & bit else 16 + j for j in range(16)]    # a[j | bit] or b[j]
+            new[a] = builder.shuffle_vector(rows[a], rows[b], _ir.Constant(vi, lo))
+            new[b] = builder.shuffle_vector(rows[a], rows[b], _ir.Constant(vi, hi))
+        rows = new
+    return rows
+
+
+def split3_ir(builder, x):
+    """`bf16_dot.split3` on a vector of float32 lanes: the int32 bits (hi, r1, r2) of x, r1 = x - hi and r2 = r1 -
+    mid (hi / mid: the high halves of x / r1), whose high halves are the three bfloat16 parts (hi + mid + lo == x
+    for every normal float). The differences are exact: no flag the kernels compile with (nnan, ninf, nsz,
+    contract; never reassoc) can change them."""
+    n = x.type.count
+    vi = _ir.VectorType(I32, n)
+    high = _ir.Constant(vi, [-65536] * n)                   # 0xFFFF0000
+    u = builder.bitcast(x, vi)
+    r1 = builder.fsub(x, builder.bitcast(builder.and_(u, high), x.type))
+    u1 = builder.bitcast(r1, vi)
+    u2 = builder.bitcast(builder.fsub(r1, builder.bitcast(builder.and_(u1, high), x.type)), vi)
+    return u, u1, u2
