@@ -26,7 +26,6 @@ from numba import njit, types
 from .amx_tiles import HOST, amx_pv, amx_scores, in_place
 from .bf16_dot import split3
 from .gemm import COLMAX, SCALE
-from .pair_scores import page_piece
 from .simd import FAST, JIT, zeros64
 
 

@@ -269,9 +269,9 @@ def _new_max(Rp, m, l, alpha):
 
 
 @njit(cache=True, fastmath=EXP_FLAGS, inline="always")
-def _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg, sc, scale):
+def _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg, sc):
     """A masked block's row maxima: jlo[r] / jhi[r] = the block keys row r sees (jlo[r]..jhi[r]), alpha[r] =
-    max(m[r], ST[j, r] over those j), each ST[j, r] times sc first where ``scale``."""
+    max(m[r], sc * ST[j, r] over those j) (sc 1 where ST holds scaled scores already)."""
     for r in range(Rp):
         alpha[r] = m[r]
         jlo[r] = max(-1, min(nb, rlo[r] - b0))
@@ -279,7 +279,7 @@ def _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg, sc, scale):
     for j in range(nb):
         row = ST[j]
         for r in range(Rp):
-            x = row[r] * sc if scale else row[r]
+            x = row[r] * sc
             x = x if (j >= jlo[r]) & (j <= jhi[r]) else neg
             a = alpha[r]
             alpha[r] = x if x > a else a
@@ -295,7 +295,7 @@ def _softmax_block(ST, nb, Rp, b0, masked, rpos, rlo, m, l, alpha, jlo, jhi, neg
     sees block keys jlo[r]..jhi[r]); neg: NEG in the compute dtype."""
     z = neg - neg
     if masked:
-        _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg, neg, False)
+        _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg, neg / neg)   # scaled already: sc 1
     _new_max(Rp, m, l, alpha)
     if masked:
         for j in range(nb):
@@ -372,7 +372,7 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
             score_block(k_pages, k_scales, pages, h, b0, nb, Kb, st, QT, ST, Rp, LK, flags, sc, alpha)
         if pv_tiles:
             if masked:
-                _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg, sc, True)
+                _masked_max(ST, nb, Rp, b0, rpos, rlo, m, alpha, jlo, jhi, neg, sc)
             else:
                 block_max(ST, sc, nb, Rp, alpha)
             _new_max(Rp, m, l, alpha)

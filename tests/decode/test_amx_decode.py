@@ -17,8 +17,8 @@ import pytest
 
 import decode.attention_plan as AP
 from decode.attention_plan import attend_unchecked
-from decode.kernels import amx_blocks, amx_decode, amx_tiles
-from decode.kernels.simd import JIT, zeros64
+from decode.kernels import amx_decode, amx_tiles
+from decode.kernels.simd import JIT
 
 _spec = importlib.util.spec_from_file_location("decode_kernel_naive_amx_decode", Path(__file__).with_name("naive.py"))
 naive = importlib.util.module_from_spec(_spec)
