@@ -10,10 +10,11 @@ subnormals as zero and flushes subnormal float32 sums to zero (|x| < 2**-126, fa
 How a query's scores are computed (`mode`, a run-time argument of the per-query kernel, set by the plan from
 `plan_mode`; a run-time value, so one compiled kernel serves every mode and numba's cache never holds a stale
 choice):
-    0  `register_blocks.dot44` / `dot14` on q itself (key rows widened by zero-extension and a shift)
+    0  `register_blocks.dot44` / `dot14` on q itself (key rows widened by zero-extension and a shift); the
+       default where the CPU has AMX (`default_mode`)
     1  vdpbf16ps where q is exactly bfloat16 (one part) and a kv head has >= MIN_GROUP q heads; otherwise as 0
        (measured: below 4 heads the 1 x 4 block is latency-bound and vdpbf16ps loses; a float32 q would need 3
-       parts, each as costly as the shift path's FMAs)
+       parts, each as costly as the shift path's FMAs); the default elsewhere
     2  vdpbf16ps for every query (2 or 3 parts where q is not bfloat16)
     3  two FMAs per pair of lanes over q's float32 (even, odd) halves, key rows widened by a shift and a mask
        (no shuffle); measured no faster than 0, kept as an option
@@ -36,12 +37,15 @@ from numba import njit, types
 from numba.core import config as _nb_config
 from numba.extending import intrinsic, overload
 
+from kvcache.jit_target import target_has
+
 from .simd import JIT
 
 LANES = 32                      # bfloat16 elements per 512-bit vector
 PARTS = 3                       # bfloat16 parts of a float32 q (8 significand bits each)
 MODE_ENV = "KVENGINE_BF16_DOT"  # "0" - "3": override the default mode at import (A/B measurements)
-DEFAULT_MODE = 1
+DEFAULT_MODE = 1                # where the CPU has no AMX (the Zen 4 guest: vdpbf16ps measured faster there)
+AMX_MODE = 0                    # where it has (the Intel guest: the shift path 2-10% faster, `default_mode`)
 MIN_GROUP = 4                   # mode 1: q heads per kv head from which vdpbf16ps pays (the 4 x 4 block; measured)
 
 
@@ -57,22 +61,38 @@ def _host_has_bf16() -> bool:
 
 
 HOST = _host_has_bf16()
+AMX_HOST = target_has("amx-bf16")  # the CPU has AMX-BF16 (`default_mode`)
 
 
-def _env_mode() -> int:
+def env_mode() -> int | None:
+    """The mode ``$KVENGINE_BF16_DOT`` sets ("0" - "3"; unset or empty: None, the CPU's `default_mode`)."""
     raw = os.environ.get(MODE_ENV, "")
     if raw not in ("", "0", "1", "2", "3"):
         raise ValueError(f"{MODE_ENV}: expected 0, 1, 2 or 3, got {raw!r}")
-    return int(raw) if raw else DEFAULT_MODE
+    return int(raw) if raw else None
 
 
-MODE = _env_mode()              # the mode plans use where the CPU has avx512bf16 (tests set it)
+MODE = env_mode()              # the mode plans use where the CPU has avx512bf16; None: `default_mode` (tests set
+                                # it, as $KVENGINE_BF16_DOT does at import)
+
+
+def default_mode() -> int:
+    """The mode where neither `MODE` nor the environment chose one: AMX_MODE where the CPU has AMX-BF16
+    (AMX_HOST), else DEFAULT_MODE. On the Intel guest with AMX, a bfloat16 q's scores by the shift path (0)
+    measured 2-10% faster than by vdpbf16ps (1) over GQA-8 decode and batched decode (2 threads, 4096 and 32768
+    tokens, 64 x 256 and 32 x 1024, modes alternated twice; one thread 1.37 -> 1.30 ms a step at 4096 tokens, also
+    at G 8 and head_dim 64), where on the Zen 4 guest (no AMX) vdpbf16ps was the faster (`MIN_GROUP`'s
+    measurement). Likely why: that Intel core has two 512-bit FMA ports, so the widening vdpbf16ps saves is cheap
+    there. The queries the AMX tiles take do not use the mode."""
+    return AMX_MODE if AMX_HOST else DEFAULT_MODE
 
 
 def plan_mode() -> int:
-    """The mode a plan passes to the kernel: `MODE` (`DEFAULT_MODE`, or ``$KVENGINE_BF16_DOT`` at import) where
-    the CPU has avx512bf16, 0 elsewhere."""
-    return MODE if HOST else 0
+    """The mode a plan passes to the kernel: `MODE` (``$KVENGINE_BF16_DOT`` at import, or as set), else
+    `default_mode()`, where the CPU has avx512bf16; 0 elsewhere."""
+    if not HOST:
+        return 0
+    return default_mode() if MODE is None else MODE
 
 
 def tile_mode() -> int:

@@ -261,3 +261,32 @@ def test_plan_mode_is_zero_without_the_instruction(monkeypatch):
     assert bf16_dot.plan_mode() == (2 if bf16_dot.HOST else 0)
     monkeypatch.setattr(bf16_dot, "HOST", False)
     assert bf16_dot.plan_mode() == 0
+
+
+def test_default_mode_follows_the_cpu(monkeypatch):
+    """Unset (MODE None), the plans' mode is the CPU's default: the shift path where it has AMX, vdpbf16ps
+    elsewhere; a mode that is set wins; no avx512bf16: 0 whatever is set."""
+    monkeypatch.setattr(bf16_dot, "MODE", None)
+    monkeypatch.setattr(bf16_dot, "HOST", True)
+    monkeypatch.setattr(bf16_dot, "AMX_HOST", True)
+    assert bf16_dot.plan_mode() == bf16_dot.AMX_MODE == 0
+    assert bf16_dot.tile_mode() == 0
+    monkeypatch.setattr(bf16_dot, "AMX_HOST", False)
+    assert bf16_dot.plan_mode() == bf16_dot.DEFAULT_MODE == 1
+    assert bf16_dot.tile_mode() == 1
+    monkeypatch.setattr(bf16_dot, "MODE", 0)
+    assert bf16_dot.plan_mode() == 0
+    monkeypatch.setattr(bf16_dot, "MODE", None)
+    monkeypatch.setattr(bf16_dot, "HOST", False)
+    assert bf16_dot.plan_mode() == 0
+
+
+def test_mode_from_the_environment(monkeypatch):
+    """$KVENGINE_BF16_DOT sets the mode at import; unset, None (the CPU's default); anything else is refused by
+    name."""
+    for raw, want in (("", None), ("0", 0), ("2", 2)):
+        monkeypatch.setenv(bf16_dot.MODE_ENV, raw)
+        assert bf16_dot.env_mode() == want
+    monkeypatch.setenv(bf16_dot.MODE_ENV, "5")
+    with pytest.raises(ValueError, match="KVENGINE_BF16_DOT"):
+        bf16_dot.env_mode()
