@@ -34,7 +34,6 @@ import os
 
 import numpy as np
 from numba import njit, types
-from numba.core import config as _nb_config
 from numba.extending import intrinsic, overload
 
 from kvcache.jit_target import target_has
@@ -47,20 +46,8 @@ MODE_ENV = "KVENGINE_BF16_DOT"  # "0" - "3": override the default mode at import
 DEFAULT_MODE = 1                # where the CPU has no AMX (the Zen 4 guest: vdpbf16ps measured faster there)
 AMX_MODE = 0                    # where it has (the Intel guest: the shift path 2-10% faster, `default_mode`)
 MIN_GROUP = 4                   # mode 1: q heads per kv head from which vdpbf16ps pays (the 4 x 4 block; measured)
-
-
-def _host_has_bf16() -> bool:
-    """The compilation target has AVX512-BF16: the host's features, or NUMBA_CPU_FEATURES when that is set."""
-    if _nb_config.CPU_FEATURES is not None:
-        return "+avx512bf16" in _nb_config.CPU_FEATURES.split(",")
-    try:
-        from llvmlite import binding
-        return bool(binding.get_host_cpu_features().get("avx512bf16", False))
-    except Exception:           # noqa: BLE001  (no feature query: assume none)
-        return False
-
-
-HOST = _host_has_bf16()
+HOST = target_has("avx512bf16")    # the compilation target has AVX512-BF16 (NUMBA_CPU_FEATURES, else the host's;
+                                   # never under a NUMBA_CPU_NAME alone: `kvcache.jit_target.target_has`)
 AMX_HOST = target_has("amx-bf16")  # the CPU has AMX-BF16 (`default_mode`)
 
 

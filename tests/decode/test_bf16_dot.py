@@ -7,6 +7,9 @@ the other queries of the call.
 Marked `kernel` (rerun under NUMBA_DISABLE_JIT=1 and NUMBA_BOUNDSCHECK=1 with --reduced-grid)."""
 import importlib.util
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -290,3 +293,16 @@ def test_mode_from_the_environment(monkeypatch):
     monkeypatch.setenv(bf16_dot.MODE_ENV, "5")
     with pytest.raises(ValueError, match="KVENGINE_BF16_DOT"):
         bf16_dot.env_mode()
+
+
+def test_named_target_assumes_no_instruction(tmp_path):
+    """Under NUMBA_CPU_NAME alone (a named target, here one without avx512bf16: its features are not queried)
+    neither vdpbf16ps nor the AMX tiles are emitted, whatever the host has (the plans keep mode 0). Before, the
+    bfloat16 blocks asked the host and would have emitted vdpbf16ps for a skylake-avx512 target on this host."""
+    env = dict(os.environ, NUMBA_CPU_NAME="skylake-avx512", NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("NUMBA_CPU_FEATURES", None)
+    code = ("from decode.kernels import amx_tiles, bf16_dot; "
+            "print(bf16_dot.HOST, bf16_dot.AMX_HOST, amx_tiles.HOST, bf16_dot.plan_mode())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.split() == ["False", "False", "False", "0"]
