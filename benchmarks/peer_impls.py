@@ -46,6 +46,9 @@ class Engine:
         self.q = data.q
         self.extra = {"page_size": page_size, "numba_threads": numba.get_num_threads()}
         self.beside = None if not beside else ("loop" if c.batch > 1 else ("walk" if c.tokens == 1 else None))
+        # the walk (the kernel's threads) alternates with the timed calls; the loop of steps (one thread at <= 256
+        # tokens: the other core idles) runs after them (`vllm_peer.time_mode`)
+        self.beside_alternates = self.beside == "walk"
         self.beside_s: list[float] = []
         if self.beside == "walk":
             # the pages of the cached tokens; the new token lands in the last of them at every shape here

@@ -24,14 +24,19 @@ visited in rotation; hot: copy 0 every call. K/V values are drawn exactly repres
 same bytes in every implementation); the output of copy 0 is checked against a float64 reference (q as given, in
 float32) before any timing, and the relative error is reported.
 
-The engine's processes also measure, beside its timed calls (engine only; ``--no-beside`` turns it off): before
-every timed call, untimed by it, on the copy half a rotation away (copy 0 itself when hot),
+The engine's processes also measure, beside its timed calls (engine only; ``--no-beside`` turns it off), untimed
+by them, on the copy half a rotation away (copy 0 itself when hot), as many times as there are timed calls:
 * decode step: `benchmarks.walk.page_walk` of that copy's pages (the pages a step reads, the kernel's threads):
-  ``walk_s``, ``walk_gb_per_s`` and ``frac_walk`` = walk median / step median (the step's share of the ceiling);
+  ``walk_s``, ``walk_gb_per_s`` and ``frac_walk`` = walk median / step median (the step's share of the ceiling),
+  one walk before every timed call: alternating them keeps both in the same memory state (it changes within
+  minutes);
 * batch: a loop of `Decoder.step` over the same sequences of that copy (checked against the reference like the
-  timed call): ``loop_s`` and ``loop_over_batch`` = loop median / `batch_step` median.
-Alternating them with the timed calls keeps both in the same memory state (it changes within minutes); their time
-is added to the case's budget, so the timed calls are as many as without them.
+  timed call): ``loop_s`` and ``loop_over_batch`` = loop median / `batch_step` median, the loops after the timed
+  calls, not between them: the steps of a loop at <= 256 tokens run on one thread, and after the second core has
+  idled that long (~12 ms at 64 x 256) the next `batch_step` measured ~25% slower on the Intel guest (64 x 256 hot
+  2.76-2.81 ms with nothing between the calls, 3.55-3.70 with a loop before each; also after a plain sleep), a
+  gap vLLM's timed calls never had.
+Their time is added to the case's budget, so the timed calls are as many as without them.
 """
 from __future__ import annotations
 
@@ -193,17 +198,19 @@ def time_mode(impl, copies: int, budget: float, min_calls: int, max_calls: int) 
     """Median seconds of ``impl.call`` visiting copies 0..copies-1 in rotation (hot: copies == 1). Every copy is
     called once untimed first: a copy's first call would otherwise also pay the operating system's first touch of
     its freshly mapped pages (a lazily zeroed pool), which is not what "cold" measures (K/V out of the caches).
-    An impl with a ``beside`` measure gets ``alongside(copy half a rotation away)`` before every call, its time
-    added to the budget (as many timed calls as without it); ``beside_s`` then holds one figure per timed call."""
+    An impl with a ``beside`` measure gets ``alongside(copy half a rotation away)`` before every call (where
+    ``impl.beside_alternates``), else once per timed call after them, its time added to the budget (as many timed
+    calls as without it); ``beside_s`` then holds one figure per timed call."""
     for copy in range(copies if copies > 1 else 0):
         impl.setup(copy)
         impl.call(copy)
     beside = impl.alongside if getattr(impl, "beside", None) else None
+    alternate = beside is not None and impl.beside_alternates
     times, i = [], 0
     t_end = None
     while True:
         copy = i % copies
-        if beside is not None:
+        if alternate:
             t0 = time.perf_counter()
             beside((copy + copies // 2) % copies)
             if t_end is not None:
@@ -224,6 +231,10 @@ def time_mode(impl, copies: int, budget: float, min_calls: int, max_calls: int) 
             break
     out = {"median_s": float(np.median(times)), "min_s": float(min(times)),
            "p25_s": float(np.percentile(times, 25)), "calls": len(times)}
+    if beside is not None and not alternate:
+        impl.beside_s.clear()
+        for k in range(len(times)):
+            beside((k % copies + copies // 2) % copies)
     if beside is not None:
         out.update(beside_figures(impl, out["median_s"]))
     return out

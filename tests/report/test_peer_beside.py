@@ -66,3 +66,21 @@ def test_nothing_beside_for_prefill_or_when_turned_off(case, beside):
     rows = summarize([{"results": [r]}], ["cold", "hot"])
     assert not any(k in r[m] for m in ("cold", "hot") for k in ("walk_s", "loop_s", "frac_walk"))
     assert not any("engine_frac_walk" in x or "q_per_kv" in x for x in rows)
+
+
+@pytest.mark.parametrize("case,alternates", [(DECODE, True), (BATCH, False)], ids=["walk", "loop"])
+def test_walks_alternate_with_the_timed_calls_and_loops_follow_them(monkeypatch, case, alternates):
+    """The page walk runs before every timed call; the loop of steps (one thread: the other core idles, and the next
+    batch_step measured ~25% slower after such a gap) only after the mode's timed calls, as many times."""
+    from benchmarks.peer_impls import Engine
+    events = []
+    call, alongside = Engine.call, Engine.alongside
+    monkeypatch.setattr(Engine, "call", lambda self, copy: (events.append("call"), call(self, copy))[1])
+    monkeypatch.setattr(Engine, "alongside", lambda self, copy: (events.append("beside"), alongside(self, copy))[1])
+    r = run(case)
+    seq = "".join("c" if e == "call" else "b" for e in events)
+    cold, hot = r["cold"]["calls"], r["hot"]["calls"]           # hot is timed last; two warm-up calls first
+    if alternates:
+        assert seq.endswith("bc" * (2 + hot))
+    else:
+        assert seq.endswith("c" * cold + "b" * cold + "c" * (2 + hot) + "b" * hot)
