@@ -167,7 +167,7 @@ def beside_tables(rows: list[dict], dtypes) -> list[str]:
             ("decode", "engine_frac_walk", "Engine decode step vs the page walk of its pages (same process, "
              "alternated)", "step / walk (ms) | walk GB/s | of walk"),
             ("batch", "loop_over_batch", "Engine batch_step vs a loop of steps over the same sequences (same "
-             "process, alternated)", "batch_step / loop (ms) | loop ÷ batch_step")):
+             "process, the loops after the timed calls)", "batch_step / loop (ms) | loop ÷ batch_step")):
         sel = [r for r in rows if r["kind"] == kind and key in r]
         if not sel:
             continue
