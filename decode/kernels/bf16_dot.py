@@ -59,7 +59,7 @@ def env_mode() -> int | None:
     return int(raw) if raw else None
 
 
-MODE = env_mode()              # the mode plans use where the CPU has avx512bf16; None: `default_mode` (tests set
+MODE = env_mode()               # the mode plans use where the CPU has avx512bf16; None: `default_mode` (tests set
                                 # it, as $KVENGINE_BF16_DOT does at import)
 
 
@@ -69,8 +69,8 @@ def default_mode() -> int:
     measured 2-10% faster than by vdpbf16ps (1) over GQA-8 decode and batched decode (2 threads, 4096 and 32768
     tokens, 64 x 256 and 32 x 1024, modes alternated twice; one thread 1.37 -> 1.30 ms a step at 4096 tokens, also
     at G 8 and head_dim 64), where on the Zen 4 guest (no AMX) vdpbf16ps was the faster (`MIN_GROUP`'s
-    measurement). Likely why: that Intel core has two 512-bit FMA ports, so the widening vdpbf16ps saves is cheap
-    there. The queries the AMX tiles take do not use the mode."""
+    measurement). Likely why: that Intel core retires two 512-bit FMAs a cycle (7 a ns measured, docs/kernel.md),
+    so the widening vdpbf16ps saves is cheap there. The queries the AMX tiles take do not use the mode."""
     return AMX_MODE if AMX_HOST else DEFAULT_MODE
 
 
