@@ -198,9 +198,9 @@ def time_mode(impl, copies: int, budget: float, min_calls: int, max_calls: int) 
     """Median seconds of ``impl.call`` visiting copies 0..copies-1 in rotation (hot: copies == 1). Every copy is
     called once untimed first: a copy's first call would otherwise also pay the operating system's first touch of
     its freshly mapped pages (a lazily zeroed pool), which is not what "cold" measures (K/V out of the caches).
-    An impl with a ``beside`` measure gets ``alongside(copy half a rotation away)`` before every call (where
-    ``impl.beside_alternates``), else once per timed call after them, its time added to the budget (as many timed
-    calls as without it); ``beside_s`` then holds one figure per timed call."""
+    An impl with a ``beside`` measure gets ``alongside(copy half a rotation away)`` before every call, its time
+    added to the budget (as many timed calls as without it), where ``impl.beside_alternates``; else once per timed
+    call after them all. ``beside_s`` then holds one figure per timed call."""
     for copy in range(copies if copies > 1 else 0):
         impl.setup(copy)
         impl.call(copy)
@@ -231,8 +231,7 @@ def time_mode(impl, copies: int, budget: float, min_calls: int, max_calls: int) 
             break
     out = {"median_s": float(np.median(times)), "min_s": float(min(times)),
            "p25_s": float(np.percentile(times, 25)), "calls": len(times)}
-    if beside is not None and not alternate:
-        impl.beside_s.clear()
+    if beside is not None and not alternate:          # beside_s was emptied after the warm-up calls
         for k in range(len(times)):
             beside((k % copies + copies // 2) % copies)
     if beside is not None:
