@@ -27,6 +27,7 @@ import numba
 import numpy as np
 
 from kvcache.jit_store import writable
+from kvcache.jit_target import target_has
 
 from .kernels import amx_decode, amx_tiles, bf16_dot
 from .kernels.per_query import query_parallel, query_serial
@@ -121,6 +122,25 @@ ROUTE_MIN_RUN_AMX = {
     128: ((1, 6), (2, 5), (4, 4), (8, 3), (16, 2)),
 }
 
+# float32 / float16 pages on a CPU with AMX (`AMX_CPU`: Intel Sapphire Rapids and later, two 512-bit FMA units a
+# core, on which the tiled kernel's GEMM blocks gain more over the per-query kernel than on the Zen 4 guest's 256-bit
+# units: there the table above lost up to 1.85x, d128 float32 G1 runs of 3-4 left to the per-query kernel).
+# Measured on the 2-vCPU Intel guest with AMX twice (2026-12-07, main at 3e1de90, the command above with `--groups
+# 1,2,4,8,16 --storages float32,float16`; benchmarks/results/routing-intel-amx-2026-12-07-f32f16{,-b}.jsonl), each
+# length the one whose worst loss over both runs and both contexts is least:
+#   d128 float32   G1 3 (1.13), G2 3 (1.00), G4 3 (1.00), G8+ 2 (1.00)
+#   d128 float16   G1 5 (1.17), G2 4 (1.00), G4 4 not 5 (1.03), G8 4 (1.03), G16+ 2 (1.00)
+#   d64  float32   G1 4 (1.00), G2 3 (1.00), G4 3 (1.00), G8+ 2 (1.00)
+#   d64  float16   G1 6 (1.08), G2 4 (1.00), G4 4 (1.02), G8+ 2 (1.00)
+# A property of the CPU, not of `amx_tiles.usable()`: $KVENGINE_AMX=0 does not change these formats' kernels.
+ROUTE_MIN_RUN_AMX_CPU = {
+    ("float32", 64): ((1, 4), (2, 3), (8, 2)),
+    ("float16", 64): ((1, 6), (2, 4), (8, 2)),
+    ("float32", 128): ((1, 3), (8, 2)),
+    ("float16", 128): ((1, 5), (2, 4), (4, 4, (5,)), (8, 4), (16, 2)),
+}
+AMX_CPU = target_has("amx-tile") and target_has("amx-bf16")
+
 
 def _skipped(entry) -> tuple:
     """The run lengths a `ROUTE_MIN_RUN` entry leaves to the per-query kernel above its length (its third
@@ -128,22 +148,25 @@ def _skipped(entry) -> tuple:
     return tuple(entry[2]) if len(entry) > 2 else ()
 
 
-LONGEST_MIN_RUN = max([MIN_RUN] + [e[1] for table in (*ROUTE_MIN_RUN.values(), *ROUTE_MIN_RUN_AMX.values())
-                                    for e in table])   # any shapes' bound
+_TABLES = (*ROUTE_MIN_RUN.values(), *ROUTE_MIN_RUN_AMX.values(), *ROUTE_MIN_RUN_AMX_CPU.values())
+LONGEST_MIN_RUN = max([MIN_RUN] + [e[1] for table in _TABLES for e in table])   # any shapes' bound
 # a skipped length lies below it: from LONGEST_MIN_RUN on every shape's run is tiled (`decode.hf.query_chunks`)
-assert all(x < LONGEST_MIN_RUN for table in ROUTE_MIN_RUN.values() for e in table for x in _skipped(e))
+assert all(x < LONGEST_MIN_RUN for table in _TABLES for e in table for x in _skipped(e))
 
 
 def route_rule(group: int, head_dim: int, storage) -> tuple[int, tuple]:
     """(min_run, skip): runs of one sequence's consecutive queries of >= min_run queries, other than the lengths
-    in skip, go to the tiled kernel; the others to the per-query kernel (`ROUTE_MIN_RUN`, `ROUTE_MIN_RUN_AMX` for
-    bfloat16 pages where the tiles run; MIN_RUN and no skip where it has no entry). A function of the shapes (and
-    of whether the process runs AMX tiles) only (never of the thread count, the context length, q or the other
-    queries of a call), so a sequence is routed the same alone and in any batch (docs/kernel.md,
-    "Determinism")."""
+    in skip, go to the tiled kernel; the others to the per-query kernel (`ROUTE_MIN_RUN`; `ROUTE_MIN_RUN_AMX` for
+    bfloat16 pages where the tiles run, `ROUTE_MIN_RUN_AMX_CPU` for float32 / float16 pages on a CPU with AMX;
+    MIN_RUN and no skip where a table has no entry). A function of the shapes (and of the CPU and whether the
+    process runs AMX tiles) only (never of the thread count, the context length, q or the other queries of a
+    call), so a sequence is routed the same alone and in any batch (docs/kernel.md, "Determinism")."""
     name = BFLOAT16 if isinstance(storage, str) and storage == BFLOAT16 else np.dtype(storage).name
-    table = {(BFLOAT16, d): e for d, e in ROUTE_MIN_RUN_AMX.items()} if (
-        name == BFLOAT16 and amx_tiles.usable()) else ROUTE_MIN_RUN
+    table = ROUTE_MIN_RUN
+    if name == BFLOAT16 and amx_tiles.usable():
+        table = {(BFLOAT16, d): e for d, e in ROUTE_MIN_RUN_AMX.items()}
+    elif AMX_CPU and any(fmt == name for fmt, _ in ROUTE_MIN_RUN_AMX_CPU):
+        table = ROUTE_MIN_RUN_AMX_CPU
     dims = [d for (fmt, d) in table if fmt == name and d <= head_dim]
     if not dims:
         return MIN_RUN, ()

@@ -177,3 +177,34 @@ def test_bfloat16_rule_follows_the_tiles(monkeypatch):
     monkeypatch.setenv(amx_tiles.ENV, "0")
     assert AP.route_rule(4, 128, np.float32) == f32
     assert AP.route_rule(4, 128, AP.BFLOAT16) == (4, (5,))
+
+
+def expected_rule(table, name, group, head_dim):
+    """(min_run, skip) of a routing table read by hand: the largest listed head_dim <= head_dim, then the entry of
+    the largest listed group <= group."""
+    dims = [d for (fmt, d) in table if fmt == name and d <= head_dim]
+    if not dims:
+        return AP.MIN_RUN, ()
+    entry = max((e for e in table[name, max(dims)] if e[0] <= group), key=lambda e: e[0])
+    return entry[1], tuple(entry[2]) if len(entry) > 2 else ()
+
+
+@pytest.mark.parametrize("amx_cpu", (False, True))
+def test_float_rule_follows_the_cpu(monkeypatch, amx_cpu):
+    """float32 / float16 pages take `ROUTE_MIN_RUN_AMX_CPU` on a CPU with AMX (measured there: the other table lost
+    up to 1.85x) and `ROUTE_MIN_RUN` elsewhere, whatever $KVENGINE_AMX says; float64 and int8 take MIN_RUN on
+    both; the tables differ where the Intel guest measured otherwise (d128 float32 G1: runs of 3 tiled there)."""
+    from decode.kernels import amx_tiles
+    monkeypatch.setattr(AP, "AMX_CPU", amx_cpu)
+    table = AP.ROUTE_MIN_RUN_AMX_CPU if amx_cpu else AP.ROUTE_MIN_RUN
+    for env in ("1", "0"):
+        monkeypatch.setenv(amx_tiles.ENV, env)
+        for name in ("float32", "float16"):
+            for head_dim in (32, 64, 96, 128, 256):
+                for group in GROUPS:
+                    assert AP.route_rule(group, head_dim, np.dtype(name)) == \
+                        expected_rule(table, name, group, head_dim), (name, head_dim, group, env)
+        for name in ("float64", "int8"):
+            assert AP.route_rule(1, 128, np.dtype(name)) == (AP.MIN_RUN, ())
+    assert AP.route_min_run(1, 128, np.float32) == (3 if amx_cpu else 5)
+    assert AP.routes_tiled(3, 1, 128, np.float32) == amx_cpu
