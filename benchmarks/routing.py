@@ -32,8 +32,8 @@ ROUTES = ("per_query", "tiled", "routed")
 
 class Scene:
     """One sequence of ``context + T`` tokens in pages of ``page_size`` (random physical order) and T queries at
-    positions context..context+T-1; storage "float32", "float16" or "bfloat16" (uint16 bits); q_dtype "bfloat16":
-    q rounded to bfloat16."""
+    positions context..context+T-1; storage "float32", "float16", "bfloat16" (uint16 bits) or "int8" (with
+    float16 group scales); q_dtype "bfloat16": q rounded to bfloat16."""
 
     def __init__(self, context, T, num_q_heads, num_kv_heads, head_dim, storage, page_size, seed=0,
                  q_dtype="float32"):
@@ -43,9 +43,13 @@ class Scene:
         shape = (npages, num_kv_heads, page_size, head_dim)
         k = rng.standard_normal(shape, dtype=np.float32)
         v = rng.standard_normal(shape, dtype=np.float32)
+        self.k_scales = self.v_scales = None
         if storage == BFLOAT16:
             from kvcache import bf16
             self.k_pages, self.v_pages = bf16.to_bits(k), bf16.to_bits(v)
+        elif storage == "int8":                 # int8 pages with their float16 group scales (`kvcache.quant`)
+            from kvcache import quant
+            (self.k_pages, self.k_scales), (self.v_pages, self.v_scales) = quant.quantize(k), quant.quantize(v)
         else:
             self.k_pages, self.v_pages = k.astype(storage), v.astype(storage)
         self.storage = BFLOAT16 if storage == BFLOAT16 else np.dtype(storage)
@@ -71,7 +75,8 @@ class Scene:
         """A zero-argument callable running the plan once (the pages in their kernel view)."""
         plan = self.plan(route)
         k, v = kernel_view(self.k_pages, self.storage), kernel_view(self.v_pages, self.storage)
-        args = (self.q, k, v, self.indices, self.indptr, self.scale, 0, self.out)
+        args = (self.q, k, v, self.indices, self.indptr, self.scale, 0, self.out, kernel_view(self.k_scales),
+                kernel_view(self.v_scales))
         return lambda: plan.run(*args)
 
     def tiled_routed(self) -> bool:

@@ -99,7 +99,12 @@ def accumulator(compute: np.dtype, precision: str = "default", head_dim: int = W
 # (a decode step) is never tiled, although at G >= 16 bfloat16 (and d64) the tiled kernel won
 # there too (0.52-0.98): decode steps keep their kernel. Short runs lose in the tiled kernel because a tile's
 # rows (tokens x group) are padded to 16 lanes, while the per-query kernel shares each K/V row among the group's
-# heads too. Head dims below 64 (q.k in float64), float64 and int8 storage: MIN_RUN (not measured here).
+# heads too. int8 pages: measured on the Intel guest with AMX only (2026-12-07, the command above with `--storages
+# int8`, twice; benchmarks/results/routing-intel-amx-2026-12-07-int8{,-b}.jsonl), where MIN_RUN (3, unmeasured
+# until then) lost up to 2.02x (d128 G1 runs of 3-6 tiled); taken on every CPU (no other measurement):
+#   d128 int8      G1 7 (1.00), G2 4 (1.00), G4 3 (1.04), G8+ 2 (1.01)
+#   d64  int8      G1 5 (1.00), G2 4 (1.05), G4 3 (1.00), G8+ 2 (1.00)
+# Head dims below 64 (q.k in float64) and float64 storage: MIN_RUN (not measured).
 ROUTE_MIN_RUN = {
     ("float32", 64): ((1, 5), (2, 4), (4, 3), (8, 2)),
     ("float16", 64): ((1, 6), (2, 5), (4, 4), (8, 2)),
@@ -107,6 +112,8 @@ ROUTE_MIN_RUN = {
     ("float32", 128): ((1, 5), (2, 4), (4, 4, (5,)), (8, 2, (3,)), (16, 2)),
     ("float16", 128): ((1, 7), (2, 5), (4, 4, (5,)), (8, 2, (3,)), (16, 2)),
     (BFLOAT16, 128): ((1, 6), (2, 4), (4, 4, (5,)), (8, 2)),
+    ("int8", 64): ((1, 5), (2, 4), (4, 3), (8, 2)),
+    ("int8", 128): ((1, 7), (2, 4), (4, 3), (8, 2)),
 }
 
 # bfloat16 pages where the tiled kernel runs on AMX tiles (`kernels.amx_tiles.usable`): its rows are padded to 32

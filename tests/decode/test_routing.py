@@ -192,8 +192,9 @@ def expected_rule(table, name, group, head_dim):
 @pytest.mark.parametrize("amx_cpu", (False, True))
 def test_float_rule_follows_the_cpu(monkeypatch, amx_cpu):
     """float32 / float16 pages take `ROUTE_MIN_RUN_AMX_CPU` on a CPU with AMX (measured there: the other table lost
-    up to 1.85x) and `ROUTE_MIN_RUN` elsewhere, whatever $KVENGINE_AMX says; float64 and int8 take MIN_RUN on
-    both; the tables differ where the Intel guest measured otherwise (d128 float32 G1: runs of 3 tiled there)."""
+    up to 1.85x) and `ROUTE_MIN_RUN` elsewhere, whatever $KVENGINE_AMX says; int8 takes `ROUTE_MIN_RUN`'s lengths
+    (measured on the Intel guest: MIN_RUN lost up to 2x) and float64 MIN_RUN on both; the tables differ where the
+    Intel guest measured otherwise (d128 float32 G1: runs of 3 tiled there)."""
     from decode.kernels import amx_tiles
     monkeypatch.setattr(AP, "AMX_CPU", amx_cpu)
     table = AP.ROUTE_MIN_RUN_AMX_CPU if amx_cpu else AP.ROUTE_MIN_RUN
@@ -204,7 +205,11 @@ def test_float_rule_follows_the_cpu(monkeypatch, amx_cpu):
                 for group in GROUPS:
                     assert AP.route_rule(group, head_dim, np.dtype(name)) == \
                         expected_rule(table, name, group, head_dim), (name, head_dim, group, env)
-        for name in ("float64", "int8"):
-            assert AP.route_rule(1, 128, np.dtype(name)) == (AP.MIN_RUN, ())
+        for head_dim in (32, 64, 128):
+            for group in GROUPS:
+                assert AP.route_rule(group, head_dim, np.dtype("int8")) == \
+                    expected_rule(AP.ROUTE_MIN_RUN, "int8", group, head_dim)
+                assert AP.route_rule(group, head_dim, np.dtype("float64")) == (AP.MIN_RUN, ())
     assert AP.route_min_run(1, 128, np.float32) == (3 if amx_cpu else 5)
     assert AP.routes_tiled(3, 1, 128, np.float32) == amx_cpu
+    assert not AP.routes_tiled(6, 1, 128, np.int8) and AP.routes_tiled(7, 1, 128, np.int8)
