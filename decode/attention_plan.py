@@ -123,10 +123,14 @@ ROUTE_MIN_RUN = {
 # d64 G1 7 (1.06), G2 6 (1.04), G4 5 (1.08), G8 3 (1.00), G16+ 2 (1.00). Re-measured for G16 / G32 once decode
 # queries of those groups ran on the tiles faster (2026-12-07, main at c392bca, `--groups 16,32 --tokens 2,3,4,5`,
 # contexts 512 / 2048 / 4096; routing-intel-amx-2026-12-07-c392bca.jsonl): d64 G32 runs of 2-3 now lose tiled
-# (tiled / per-query 1.04-1.14 at T = 2, 1.00-1.13 at T = 3), so d64 G32+ 4 (1.10); the rest unchanged.
+# (tiled / per-query 1.04-1.14 at T = 2, 1.00-1.13 at T = 3), so d64 G32+ 4 (1.10). Re-measured after the tiled
+# kernel's fused softmax step (2026-12-07, main at c608548, `--groups 1,2,4,8,16 --tokens 2,3,4,5,6,7` and `--groups
+# 32 --tokens 2,3,4,5`, both q dtypes; routing-intel-amx-2026-12-07-bf16{,q,-g32}-c608548.jsonl), where the lengths
+# above lost up to 1.75x (d128 G1 T5: tiled / per-query 0.57): d128 G1 4 (1.09), G2 3 (1.00), G4 3 (1.00), G8+ 2
+# (1.00); d64 G1 5 (1.01), G2 4 (1.06), G4 3 (1.00), G8+ 2 (1.00; G32 runs of 2 now 0.85-0.95 tiled).
 ROUTE_MIN_RUN_AMX = {
-    64: ((1, 7), (2, 6), (4, 5), (8, 3), (16, 2), (32, 4)),
-    128: ((1, 6), (2, 5), (4, 4), (8, 3), (16, 2)),
+    64: ((1, 5), (2, 4), (4, 3), (8, 2)),
+    128: ((1, 4), (2, 3), (8, 2)),
 }
 
 # float32 / float16 pages on a CPU with AMX (`AMX_CPU`: Intel Sapphire Rapids and later, two 512-bit FMA units a
