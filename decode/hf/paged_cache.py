@@ -31,7 +31,7 @@ from kvcache import CacheFullError, KVCache
 from . import handoff, pool_rows, sizing
 from . import page_dtype as storage
 from .layout import ModelLayout, layout_key, layout_of
-from .plan import ForwardPlan
+from .plan import ForwardPlan, auto_kernel_threads
 from .rows import RowColumns, check_new_real
 
 
@@ -90,11 +90,13 @@ class PagedCache(Cache):
     page_size : int                          tokens per page
     prefix_caching : bool                    register full pages by token id, reuse them (`match_prefix`)
     namespace : str                          the pool's prefix namespace (name the model and its revision)
-    kernel_threads : int or None             numba threads of the attention kernel for forwards of fewer than
+    kernel_threads : int, None or "auto"     numba threads of the attention kernel for forwards of fewer than
                                              256 real queries (decode steps, verification); None: numba's
-                                             setting. 1 by default: torch's OpenMP threads keep spinning after
-                                             each op and take the cores numba's threads wait for (5-20x slower
-                                             decode calls, docs/transformers.md). Prefills use numba's setting.
+                                             setting. "auto" (the default, `plan.auto_kernel_threads`): None on
+                                             CPUs with AMX, 1 elsewhere, where torch's OpenMP threads keep
+                                             spinning after each op and take the cores numba's threads wait for
+                                             (5-20x slower decode calls, docs/transformers.md). Prefills use
+                                             numba's setting.
 
     Attributes
     ----------
@@ -105,10 +107,12 @@ class PagedCache(Cache):
     """
 
     def __init__(self, config, *, max_tokens=None, num_pages=None, dtype=None, page_size=16,
-                 kernel_threads: int | None = 1, prefix_caching=False, namespace=""):
-        if kernel_threads is not None and (isinstance(kernel_threads, bool) or not isinstance(kernel_threads, int)
-                                           or kernel_threads < 1):
-            raise ValueError(f"kernel_threads: expected None or an int >= 1, got {kernel_threads!r}")
+                 kernel_threads: int | None | str = "auto", prefix_caching=False, namespace=""):
+        if isinstance(kernel_threads, str) and kernel_threads == "auto":
+            kernel_threads = auto_kernel_threads()
+        elif kernel_threads is not None and (isinstance(kernel_threads, bool) or not isinstance(kernel_threads, int)
+                                             or kernel_threads < 1):
+            raise ValueError(f"kernel_threads: expected None, 'auto' or an int >= 1, got {kernel_threads!r}")
         layout = layout_of(config)
         name = storage.storage_name(dtype)
         model_dtype = storage.config_dtype(config)

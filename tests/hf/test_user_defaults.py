@@ -90,3 +90,24 @@ def test_for_generate_sizes_rows_beams_and_pages():
         PagedCache.for_generate(llama(), 1, 8, max_tokens=64)
     with pytest.raises(ValueError, match="num_beams: expected an int >= 1"):
         PagedCache.for_generate(llama(), 1, 8, num_beams=0)
+
+
+@pytest.mark.parametrize("amx_cpu", [False, True])
+def test_kernel_threads_auto_follows_the_cpu(monkeypatch, amx_cpu):
+    """``kernel_threads="auto"`` (the default) is numba's setting (None) on a CPU with AMX, where a second kernel
+    thread measured faster beside torch, and 1 elsewhere; forks keep it; explicit values stay as given."""
+    from decode import attention_plan
+
+    monkeypatch.setattr(attention_plan, "AMX_CPU", amx_cpu)
+    want = None if amx_cpu else 1
+    assert PagedCache(llama(), max_tokens=32).kernel_threads == want
+    cache = PagedCache(llama(), max_tokens=32, kernel_threads="auto")
+    assert cache.kernel_threads == want and cache.fork().kernel_threads == want
+    assert PagedCache(llama(), max_tokens=32, kernel_threads=2).kernel_threads == 2
+    assert PagedCache(llama(), max_tokens=32, kernel_threads=None).kernel_threads is None
+
+
+@pytest.mark.parametrize("given", ["two", "AUTO", 0, True, 1.5])
+def test_bad_kernel_threads_are_refused_by_name(given):
+    with pytest.raises(ValueError, match="kernel_threads: expected None, 'auto' or an int >= 1"):
+        PagedCache(llama(), max_tokens=32, kernel_threads=given)
