@@ -24,8 +24,10 @@ class ModelRunner:
     `decode.serve.pages.PagePool`.
 
     kernel_threads: numba threads of the attention kernel for forwards of fewer than
-    `decode.hf.plan.PARALLEL_QUERIES` tokens (decode steps); 1 by default, as in `decode.hf.PagedCache`
-    (torch's OpenMP threads keep spinning after each op and take the cores numba's threads would wait for).
+    `decode.hf.plan.PARALLEL_QUERIES` tokens (decode steps); 1 by default (torch's OpenMP threads keep spinning
+    after each op and take the cores numba's threads would wait for). `decode.hf.PagedCache` defaults to "auto"
+    (numba's setting on CPUs with AMX, measured faster there); the server's steps were not measured that way, and
+    attention is 1-6% of them (docs/serving.md), so they keep 1.
 
     torch's thread count is restored after every forward: numba's OpenMP threading layer, at its first parallel
     launch, sets the OpenMP thread count of the process, and torch shares that libgomp (a process that had set
