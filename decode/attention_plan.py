@@ -135,7 +135,7 @@ ROUTE_MIN_RUN_AMX = {
 
 # float32 / float16 pages on a CPU with AMX (`AMX_CPU`: Intel Sapphire Rapids and later, two 512-bit FMA units a
 # core, on which the tiled kernel's GEMM blocks gain more over the per-query kernel than on the Zen 4 guest's 256-bit
-# units: there the table above lost up to 1.85x, d128 float32 G1 runs of 3-4 left to the per-query kernel).
+# units: there `ROUTE_MIN_RUN` lost up to 1.85x, d128 float32 G1 runs of 3-4 left to the per-query kernel).
 # Measured on the 2-vCPU Intel guest with AMX twice (2026-12-07, main at 3e1de90, the command above with `--groups
 # 1,2,4,8,16 --storages float32,float16`; benchmarks/results/routing-intel-amx-2026-12-07-f32f16{,-b}.jsonl), each
 # length the one whose worst loss over both runs and both contexts is least:

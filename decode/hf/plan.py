@@ -41,14 +41,6 @@ from .token_column import TORCH_OF, TokenColumn
 # vs 11.8 s for sdpa; decode-sized calls are 5-20x slower on 2 threads, see docs/transformers.md)
 PARALLEL_QUERIES = 256
 
-
-def auto_kernel_threads() -> int | None:
-    """What ``kernel_threads="auto"`` (`decode.hf.PagedCache`'s default) means on this CPU: numba's setting (None)
-    where the CPU has AMX (`decode.attention_plan.AMX_CPU`), 1 elsewhere. Measured (docs/transformers.md): on the
-    Intel guest with AMX a second kernel thread shortened bfloat16 / float32 decode steps 8-10% at 4096 tokens and
-    512 x 8 and did not slow StaticCache's steps in the same process; on the Zen 4 guest it slowed them 1.37-1.5x
-    (torch's and numba's OpenMP workers spinning on the same two cores)."""
-    return None if attention_plan.AMX_CPU else 1
 # forwards with at least this many real tokens give malloc's free heap back after each layer's attention
 # (`heap.trim`). Measured (bfloat16 Llama, 8 layers, 2 threads, peak RSS growth of one generate(), trim / none):
 # 4096 tokens 263 / 292 MiB, 2048 122-133 / 174-178, 1024 49-52 / 60-70, 512 21 / 20; at 512 the trim (and the
@@ -59,6 +51,15 @@ TRIM_TOKENS = 1024
 _F32_LIMIT = 3.4028235677973366e38   # float32 max + half an ulp: the smallest float64 that rounds to inf
 _NO_Q = np.zeros(0, dtype=np.float32)
 _PLAIN = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}   # storage -> same dtype
+
+
+def auto_kernel_threads() -> int | None:
+    """What ``kernel_threads="auto"`` (`decode.hf.PagedCache`'s default) means on this CPU: numba's setting (None)
+    where the CPU has AMX (`decode.attention_plan.AMX_CPU`), 1 elsewhere. Measured (docs/transformers.md): on the
+    Intel guest with AMX a second kernel thread shortened bfloat16 / float32 decode steps 8-10% at 4096 tokens and
+    512 x 8 and did not slow StaticCache's steps in the same process; on the Zen 4 guest it slowed them 1.37-1.5x
+    (torch's and numba's OpenMP workers spinning on the same two cores)."""
+    return None if attention_plan.AMX_CPU else 1
 
 
 class ForwardPlan:
