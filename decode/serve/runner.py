@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from decode import batch_transaction
-from decode.hf.plan import PARALLEL_QUERIES
+from decode.hf.plan import PARALLEL_QUERIES, auto_kernel_threads
 
 from .packed_attention import PackedForward, active
 
@@ -24,19 +24,18 @@ class ModelRunner:
     `decode.serve.pages.PagePool`.
 
     kernel_threads: numba threads of the attention kernel for forwards of fewer than
-    `decode.hf.plan.PARALLEL_QUERIES` tokens (decode steps); 1 by default (torch's OpenMP threads keep spinning
-    after each op and take the cores numba's threads would wait for). `decode.hf.PagedCache` defaults to "auto"
-    (numba's setting on CPUs with AMX, measured faster there); the server's steps were not measured that way, and
-    attention is 1-6% of them (docs/serving.md), so they keep 1.
+    `decode.hf.plan.PARALLEL_QUERIES` tokens (decode steps): an int, None (numba's setting) or "auto" (the
+    default, as in `decode.hf.PagedCache`: numba's setting on CPUs with AMX, 1 elsewhere, where torch's OpenMP
+    threads keep spinning after each op and take the cores numba's threads would wait for; docs/serving.md).
 
     torch's thread count is restored after every forward: numba's OpenMP threading layer, at its first parallel
     launch, sets the OpenMP thread count of the process, and torch shares that libgomp (a process that had set
     torch to 1 thread ran it on 2 from then on: at the issue's model 1963 vs 453 ms per decode step, measured)."""
 
-    def __init__(self, model, pool, kernel_threads: int | None = 1):
+    def __init__(self, model, pool, kernel_threads: int | None | str = "auto"):
         self.model = model
         self.pool = pool
-        self.kernel_threads = kernel_threads
+        self.kernel_threads = auto_kernel_threads() if kernel_threads == "auto" else kernel_threads
         self.compute = torch.float64 if pool.cache.config.dtype == np.float64 else torch.float32
         self.num_layers = pool.cache.config.num_layers
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -530,3 +530,19 @@ def test_torch_keeps_its_thread_count_across_parallel_kernel_launches():
         eng.add_request(p, SamplingParams(max_tokens=3, temperature=0))
     drain(eng)
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("amx_cpu", [False, True])
+def test_kernel_threads_follow_the_cpu_as_paged_caches_do(monkeypatch, amx_cpu):
+    """The runner's decode forwards take numba's thread count on a CPU with AMX (measured faster there: a 16-request
+    decode step 77 against 87 ms) and one thread elsewhere: `decode.hf.plan.auto_kernel_threads`, PagedCache's
+    default too; the greedy tokens are the reference's either way."""
+    from decode import attention_plan
+
+    monkeypatch.setattr(attention_plan, "AMX_CPU", amx_cpu)
+    eng = engine()
+    assert eng.runner.kernel_threads == (None if amx_cpu else 1)
+    prompts = random_prompts(3, 4, 40, VOCAB, seed=5)
+    got = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    for out, prompt in zip(got, prompts):
+        assert out.output_token_ids == reference(torch.float64, prompt, 6)[0]
