@@ -54,11 +54,12 @@ _PLAIN = {"float16": torch.float16, "float32": torch.float32, "float64": torch.f
 
 
 def auto_kernel_threads() -> int | None:
-    """What ``kernel_threads="auto"`` (`decode.hf.PagedCache`'s default) means on this CPU: numba's setting (None)
-    where the CPU has AMX (`decode.attention_plan.AMX_CPU`), 1 elsewhere. Measured (docs/transformers.md): on the
-    Intel guest with AMX a second kernel thread shortened bfloat16 / float32 decode steps 8-10% at 4096 tokens and
-    512 x 8 and did not slow StaticCache's steps in the same process; on the Zen 4 guest it slowed them 1.37-1.5x
-    (torch's and numba's OpenMP workers spinning on the same two cores)."""
+    """What ``kernel_threads="auto"`` (the default of `decode.hf.PagedCache` and of the server's runner) means on
+    this CPU: numba's setting (None) where it has AMX (`decode.attention_plan.AMX_CPU`), 1 elsewhere. Measured
+    (docs/transformers.md, docs/serving.md): on the Intel guest with AMX a second kernel thread shortened decode
+    steps 6-10% at 4096 tokens and 512 x 8 (a 16-request server step 11%) and did not slow torch's ops beside it;
+    on the Zen 4 guest it slowed StaticCache's steps in the same process 1.37-1.5x (torch's and numba's OpenMP
+    workers spinning on the same two cores)."""
     return None if attention_plan.AMX_CPU else 1
 
 
