@@ -31,7 +31,7 @@ from kvcache import CacheFullError, KVCache
 from . import handoff, pool_rows, sizing
 from . import page_dtype as storage
 from .layout import ModelLayout, layout_key, layout_of
-from .plan import ForwardPlan, auto_kernel_threads
+from .plan import ForwardPlan, check_kernel_threads
 from .rows import RowColumns, check_new_real
 
 
@@ -108,11 +108,7 @@ class PagedCache(Cache):
 
     def __init__(self, config, *, max_tokens=None, num_pages=None, dtype=None, page_size=16,
                  kernel_threads: int | None | str = "auto", prefix_caching=False, namespace=""):
-        if isinstance(kernel_threads, str) and kernel_threads == "auto":
-            kernel_threads = auto_kernel_threads()
-        elif kernel_threads is not None and (isinstance(kernel_threads, bool) or not isinstance(kernel_threads, int)
-                                             or kernel_threads < 1):
-            raise ValueError(f"kernel_threads: expected None, 'auto' or an int >= 1, got {kernel_threads!r}")
+        kernel_threads = check_kernel_threads(kernel_threads)
         layout = layout_of(config)
         name = storage.storage_name(dtype)
         model_dtype = storage.config_dtype(config)

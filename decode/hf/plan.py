@@ -63,6 +63,16 @@ def auto_kernel_threads() -> int | None:
     return None if attention_plan.AMX_CPU else 1
 
 
+def check_kernel_threads(value) -> int | None:
+    """``kernel_threads`` as `PagedCache` and the server's runner take it: "auto" (`auto_kernel_threads`), None or
+    an int >= 1; anything else a ValueError naming it."""
+    if isinstance(value, str) and value == "auto":
+        return auto_kernel_threads()
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"kernel_threads: expected None, 'auto' or an int >= 1, got {value!r}")
+    return value
+
+
 class ForwardPlan:
     """Reserve the new tokens of every row, then `run_layer` for each layer, then `commit` (or `rollback`).
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from decode import batch_transaction
-from decode.hf.plan import PARALLEL_QUERIES, auto_kernel_threads
+from decode.hf.plan import PARALLEL_QUERIES, check_kernel_threads
 
 from .packed_attention import PackedForward, active
 
@@ -35,7 +35,7 @@ class ModelRunner:
     def __init__(self, model, pool, kernel_threads: int | None | str = "auto"):
         self.model = model
         self.pool = pool
-        self.kernel_threads = auto_kernel_threads() if kernel_threads == "auto" else kernel_threads
+        self.kernel_threads = check_kernel_threads(kernel_threads)
         self.compute = torch.float64 if pool.cache.config.dtype == np.float64 else torch.float32
         self.num_layers = pool.cache.config.num_layers
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters

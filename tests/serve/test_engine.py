@@ -546,3 +546,12 @@ def test_kernel_threads_follow_the_cpu_as_paged_caches_do(monkeypatch, amx_cpu):
     got = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
     for out, prompt in zip(got, prompts):
         assert out.output_token_ids == reference(torch.float64, prompt, 6)[0]
+
+
+@pytest.mark.parametrize("given", ["two", 0, True])
+def test_bad_kernel_threads_are_refused_by_name(given):
+    from decode.serve.runner import ModelRunner
+
+    eng = engine()
+    with pytest.raises(ValueError, match="kernel_threads: expected None, 'auto' or an int >= 1"):
+        ModelRunner(eng.model, eng.pool, kernel_threads=given)
