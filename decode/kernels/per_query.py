@@ -14,6 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from .amx_decode import attend_query, decode_scratch, prepare_query, takes_tiles
+from .amx_tiles import HOST as AMX_CODE
 from .bf16_dot import q_buffers, split_query
 from .blocks import load_heads, normalise, softmax_block, unit_range
 from .loaders import key_scratch, score_rows, tile_scales, value_rows
@@ -144,7 +145,7 @@ def query_units(q, k_pages, v_pages, k_scales, v_scales, page_indices, page_indp
     RC = 16
     qs = np.full((H, G, D), acc0)      # q.k accumulated in acc0's dtype
     ax = decode_scratch(k_pages, v_pages, q, acc0, H, dot)    # the AMX tiles' buffers (empty: they do not apply)
-    amx = ax[0].shape[0] > 0
+    amx = AMX_CODE and ax[0].shape[0] > 0    # a compile-time False without AMX: numba prunes the tiles' branches
     mode = dot % 8
     qb, qf = q_buffers(k_pages, qs)    # q as bfloat16 parts / float32 halves (empty unless bfloat16 pages and
                                        # float32 q.k)

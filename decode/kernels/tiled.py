@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from .amx_blocks import amx_block, amx_values, pack_parts, value_scratch
-from .amx_tiles import tile_config
+from .amx_tiles import HOST as AMX_CODE, tile_config
 from .gemm import COLMAX, FRESH, MR, RESCALE, SCALE, gemm_strip, transpose16
 from .loaders import block_rows
 from .pair_scores import page_piece, pair_scratch, score_strip, tile_pairs
@@ -336,7 +336,9 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
     R = nt * G
     Rp = -(-R // L) * L
     _load_tile(q, i0, nt, h, G, QT, Rp)
-    amx = dot == 2 and QP.shape[0] == 3 * (QT.shape[0] // 2) > 0    # the tiles (`amx_blocks`: QP sized for them)
+    # the tiles (`amx_blocks`: QP sized for them); AMX_CODE is a compile-time False on a CPU without AMX, and numba
+    # prunes every branch of theirs (a quarter of this kernel's compile time there)
+    amx = AMX_CODE and dot == 2 and QP.shape[0] == 3 * (QT.shape[0] // 2) > 0
     parts = pack_parts(QT, R, Rp, QP) if amx else 0
     pairs = not amx and dot != 0 and tile_pairs(QT, R, Rp, QP)
     for r in range(Rp):
