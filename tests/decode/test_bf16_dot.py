@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 
@@ -195,6 +196,8 @@ def test_kernel_modes_within_budget(head_dim, group, P, mode, reduced_grid):
     float32 q the same bits in modes 0 and 1 (the shift path)."""
     if reduced_grid and head_dim >= 128:
         pytest.skip("full grid only")
+    if numba.config.DISABLE_JIT and (head_dim, group, P) in ((1, 1, 1), (40, 2, 5)):
+        pytest.skip("compiled runs only: without the JIT (~12-16 s each as Python) 33 / 4 / 3 and 64 / 8 / 16 cover it")
     rng = np.random.default_rng(head_dim * 100 + group + P)
     s = Pages(rng, num_kv_heads=1 if group == 32 else 2, group=group, head_dim=head_dim, page_size=P,
               lengths=[1, P + 1, 70, 300], queries=[(0, 0), (1, P), (2, 69)] + [(3, t) for t in range(295, 300)])
@@ -238,7 +241,6 @@ def test_kernel_score_magnitudes(head_dim, magnitude, mode, reduced_grid):
 def test_query_bits_independent_of_the_other_queries(m, mode):
     """A bfloat16 query alone == the same query in a call with float32 queries of other sequences (and a float32
     query alone == in a call with bfloat16 ones), on one thread and on all of them, pages permuted."""
-    import numba
     rng = np.random.default_rng(m)
     s = Pages(rng, num_kv_heads=2, group=4, head_dim=64, page_size=16, lengths=[900, 400, 50],
               queries=[(0, 899), (1, 399), (2, 49)])
