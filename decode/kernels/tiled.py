@@ -337,7 +337,7 @@ def attend_tile(q, k_pages, v_pages, k_scales, v_scales, pages, h, G, i0, pos0, 
     Rp = -(-R // L) * L
     _load_tile(q, i0, nt, h, G, QT, Rp)
     # the tiles (`amx_blocks`: QP sized for them); AMX_CODE is a compile-time False on a CPU without AMX, and numba
-    # prunes every branch of theirs (a quarter of this kernel's compile time there)
+    # prunes every branch of theirs (docs/kernel.md, "Compile cache": ~11% of a signature's compile time on Zen 3)
     amx = AMX_CODE and dot == 2 and QP.shape[0] == 3 * (QT.shape[0] // 2) > 0
     parts = pack_parts(QT, R, Rp, QP) if amx else 0
     pairs = not amx and dot != 0 and tile_pairs(QT, R, Rp, QP)
