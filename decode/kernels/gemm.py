@@ -10,6 +10,7 @@ elements broadcast.
     gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init, rsc, sc, mx, imax)     the same for the 4 rows i0..i0+3
     gemm_strip_bf(A, a_rs, i0, i1, B, c0, C, nk, nv, init, sc, mx, imax)     a fresh C over bfloat16 pairs
         (`vdpbf16ps`: A's rows and B's pairs int16 bfloat16 bits, C float32; `pair_scores`)
+    testing_strip(wide, dtype)                                                `gemm_strip` with AVX-512's or AVX2's blocks
     transpose16(qf, off, d0, QT, r0)                                          a 16 x 16 transposed copy
     transpose_rows(src, n, width, off, dst)                                   dst[c, j] = src[j, c] by 16 x 16s
 
@@ -25,7 +26,8 @@ C-contiguous, float32 or float64: float32 C with float64 A / B accumulates in fl
 block's mr x nv accumulators (mr = 6: 24 of the 32 zmm registers) stay in registers over the whole k loop: per
 k, nv vector loads and mr broadcasts feed mr x nv FMAs (6 x 4: 10 loads per 24 FMAs; 4 x 4: 8 per 16). Every
 element of C is one FMA chain over k in order, whatever the block it falls in, so the blocking never changes a
-bit of the result. A fresh C (init & FRESH, the multi-query kernel's score GEMM) of the accumulation dtype is summed
+bit of the result. On a target without AVX-512 (`vector_ir.WIDE` False: AVX2's 16 256-bit registers, two per
+16-lane vector) the strip takes 6 rows x one vector at a time (12 registers of sums), column by column. A fresh C (init & FRESH, the multi-query kernel's score GEMM) of the accumulation dtype is summed
 in chunks of `KCHUNK` = 32 steps of k, each started from zero and added into C: one FMA chain over all of
 head_dim rounds at the magnitude of the running score at every step and came out up to 1.3x over the accuracy
 budget at head_dim 128, |q.k| ~ 3000 (tests/decode/test_int8_kernel.py::test_score_magnitudes); chunks of 32
@@ -123,7 +125,7 @@ if JIT:
     from numba.core import cgutils as _cg
 
     from . import bf16_dot
-    from .vector_ir import transpose16_ir, vload_ir
+    from .vector_ir import WIDE, transpose16_ir, vload_ir
 
     _I64 = _ir.IntType(64)
     _I32 = _ir.IntType(32)
@@ -363,11 +365,20 @@ if JIT:
                 _g1(A, a_rs, a_cs, i0, B, c0, C, nk, init, rsc, sc, mx, imax)
         return impl
 
-    @overload(gemm_strip)
-    def _gemm_strip_ov(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init, rsc, sc, mx, imax):
+    def _strip(wide, L):
+        """`gemm_strip`'s body: with AVX-512 (wide) blocks of 6, then 4, rows x nv vectors; with AVX2's 16 256-bit
+        registers 6 rows x one 16-lane vector (two registers each: 12 sums), a column strip at a time (the wide
+        blocks would spill: the tiled kernel took 1.3-2.7x longer on a Zen 3). Every element of C is the same FMA
+        chain either way (bitwise the same C)."""
         def impl(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init, rsc, sc, mx, imax):
             i6 = i0 + (i1 - i0) // 12 * 12        # blocks of 6 rows up to here: the rest, a multiple of 4
-            if nv >= 4:
+            if not wide:
+                for v in range(nv):
+                    for i in range(i0, i6, 6):
+                        _h1(A, a_rs, a_cs, i, B, c0 + v * L, C, nk, init, rsc, sc, mx, imax)
+                    for i in range(i6, i1, MR):
+                        _g1(A, a_rs, a_cs, i, B, c0 + v * L, C, nk, init, rsc, sc, mx, imax)
+            elif nv >= 4:
                 for i in range(i0, i6, 6):
                     _h4(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
                 for i in range(i6, i1, MR):
@@ -388,6 +399,18 @@ if JIT:
                 for i in range(i6, i1, MR):
                     _g1(A, a_rs, a_cs, i, B, c0, C, nk, init, rsc, sc, mx, imax)
         return impl
+
+    @overload(gemm_strip)
+    def _gemm_strip_ov(A, a_rs, a_cs, i0, i1, B, c0, C, nk, nv, init, rsc, sc, mx, imax):
+        return _strip(WIDE, lanes(np.float64 if A.dtype == types.float64 else np.float32))
+
+
+def testing_strip(wide: bool, dtype=np.float32):
+    """`gemm_strip` as a jitted callable with the blocks of an AVX-512 target (wide=True) or of an AVX2 one, for A
+    / B of ``dtype``, for tests (both compile on any x86-64 CPU with FMA). Without the JIT: the NumPy twin."""
+    if not JIT:
+        return gemm_strip
+    return __import__("numba").njit(_strip(wide, lanes(dtype)))
 
 
 def testing_block_bf(emulated: bool = False):

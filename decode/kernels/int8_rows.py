@@ -2,7 +2,7 @@
 head: int8 rows widened with their group scales into float32 rows (the per-query kernel's widened chunks and
 the tiled kernel's K/V blocks, `block_rows_int8`), and the per-query kernel's score and value passes per
 query-head group (`score_rows_int8`: `qk_int8` G < 4, `qk4_int8` G 4-7, widened G >= 8; `value_rows_int8`:
-`pv_folded` G < 4, `pv_int8` G >= 4). Shapes in each docstring; `decode.kernels.loaders` dispatches to them.
+`pv_folded` G < 4, `pv_int8` G >= 4; CPUs without AVX-512 widen more: `DIRECT_BELOW`, `WIDEN_FROM`). Shapes in each docstring; `decode.kernels.loaders` dispatches to them.
 Scales come as the tile's float32 conversion ``st [page_size * ceil(width / 32)]`` (`loaders.tile_scales`).
 """
 import numpy as np
@@ -11,6 +11,15 @@ from numba import njit
 from .blocks import pv, qk, store4, store44
 from .int8_simd import GROUP, dot4_i8, dot44_i8, h2f_all, pv1_i8, pv4_i8, widen32
 from .simd import FAST
+from .vector_ir import WIDE
+
+# Scores straight from the int8 rows below DIRECT_BELOW heads per kv head, by the int8 4-head blocks from there
+# below WIDEN_FROM, else over one widened chunk that every head reads (the float blocks). The int8 blocks keep 32
+# lanes a row (4 of AVX2's 16 256-bit registers, 2 of AVX-512's 32), so without AVX-512 they spill: there the
+# widened chunk wins from G = 2 (A/B on a Zen 3, one thread: G = 2 0.89-0.97x, G = 4 0.76-0.89x the time; G = 1
+# 1.04-1.14x, so kept direct).
+DIRECT_BELOW = 4 if WIDE else 2
+WIDEN_FROM = 8 if WIDE else 4
 
 
 @njit(cache=True, fastmath=FAST)
@@ -57,16 +66,17 @@ def pv_folded(S, c0, vp, st, s0, s1, acc):
 @njit(cache=True, fastmath=FAST)
 def pv_int8(S, c0, vp, st, s0, s1, acc, vt):
     """acc[g, :] += sum_t S[g, c0 + t - s0] * (vp[t] * its group scales) for t in [s0, s1), G >= 4 query heads per
-    kv head. G < 8: `pv4_i8` keeps 4 heads x 32 lanes in registers over the rows and converts each int8 value
-    vector once per 4 heads (scale applied to the vector, shared by the 4 heads); G >= 8 (every head), leftover
-    heads and a short last group: a widened tile per chunk (`widen_rows`, converted once for all heads). S [G, block], vp [page_size, Dv] int8, st the page tile's
-    scales, acc [G, Dv], vt [CHUNK, Dv] float32 scratch."""
+    kv head. G < `WIDEN_FROM` (8; 4 without AVX-512): `pv4_i8` keeps 4 heads x 32 lanes in registers over the rows
+    and converts each int8 value vector once per 4 heads (scale applied to the vector, shared by the 4 heads); from
+    there (every head), leftover heads and a short last group: a widened tile per chunk (`widen_rows`, converted
+    once for all heads). S [G, block], vp [page_size, Dv] int8, st the page tile's scales, acc [G, Dv], vt [CHUNK,
+    Dv] float32 scratch."""
     G = acc.shape[0]
     Dv = acc.shape[1]
     full = Dv // GROUP
     NG = -(-Dv // GROUP)
     RC = vt.shape[0]
-    if G >= 8 or full == 0:             # from 8 heads on, one widened tile per chunk converts less (measured)
+    if G >= WIDEN_FROM or full == 0:    # from 8 heads on, one widened tile per chunk converts less (measured)
         r = s0
         while r < s1:
             r1 = min(s1, r + RC)
@@ -195,13 +205,13 @@ def block_rows_int8(tile, scales, s0, s1, dst, j, st):
 
 @njit(cache=True, fastmath=FAST)
 def score_rows_int8(qh, kp, st, r0, r1, Sh, c, kt):
-    """Scores of qh [G, D] (float32) against int8 rows r0..r1-1 of kp with the tile's scales st (float32): G < 4
-    straight from the int8 rows (`qk_int8`), G 4-7 4 x 4 blocks (`qk4_int8`), else a widened chunk (`widen_rows`,
-    kt [>= r1 - r0, D]) reused by every head (`blocks.qk`)."""
+    """Scores of qh [G, D] (float32) against int8 rows r0..r1-1 of kp with the tile's scales st (float32): G <
+    `DIRECT_BELOW` straight from the int8 rows (`qk_int8`), then below `WIDEN_FROM` 4 x 4 blocks (`qk4_int8`), else
+    a widened chunk (`widen_rows`, kt [>= r1 - r0, D]) reused by every head (`blocks.qk`)."""
     G = qh.shape[0]
-    if G < 4:
+    if G < DIRECT_BELOW:
         qk_int8(qh, kp, st, r0, r1, Sh, c)
-    elif G < 8 and qh.shape[1] >= GROUP:
+    elif G < WIDEN_FROM and qh.shape[1] >= GROUP:
         qk4_int8(qh, kp, st, r0, r1, Sh, c, kt)
     else:
         widen_rows(kp, st, r0, r1, kt)

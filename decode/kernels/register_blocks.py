@@ -11,6 +11,11 @@ masked vector for n % lanes); the PV blocks process `n` (a multiple of 32) eleme
     pair_rows(vp, t0, t1, dst)               bfloat16 value rows widened into float32 rows in the pair order
     pair_dim(k)                              the dim lane k of the pair order holds
     row_f(x)                                 a storage row as compute values (NumPy; the twins' widening)
+    testing_blocks(per_head)                 dot44 / pv4 with AVX-512's or AVX2's passes, for tests
+
+On a target with AVX-512 the 4-head blocks take every head in one pass over the rows (16 / 8 of its 32 registers
+of sums); without it (`vector_ir.WIDE` False: AVX2's 16 256-bit registers, two per 16-lane vector) one head per
+pass (`head_groups`), each sum the same chain (the same bits) either way.
 """
 import numpy as np
 from numba import njit
@@ -114,10 +119,18 @@ if JIT:
     from numba import types
     from numba.core import cgutils as _cg
 
-    from .vector_ir import (I32, I64, bf16_pairs_ir, fma_ir, lane_mask, lanes_of, reduce_many_ir, row_ptr_ir,
-                            vload_ir, vload_masked_ir)
+    from .vector_ir import (I32, I64, WIDE, bf16_pairs_ir, fma_ir, lane_mask, lanes_of, reduce_many_ir,
+                            row_ptr_ir, vload_ir, vload_masked_ir)
 
-    def _make_dot(ng, nt):
+    def head_groups(ng, per_head=None):
+        """The heads a block's passes take: all at once where the target has AVX-512's 32 registers, else one per
+        pass (AVX2's 16: 4 heads' accumulators would spill; the per-query kernel took up to 1.5x longer at G >= 4 on
+        a Zen 3). per_head: force one (True) or the other (False) choice, for tests."""
+        if per_head is None:
+            per_head = not WIDE
+        return [[a] for a in range(ng)] if per_head else [range(ng)]
+
+    def _make_dot(ng, nt, per_head=None):
         def typer(typingctx, qs, g, kp, t, n, last):
             if not (isinstance(qs, types.Array) and isinstance(kp, types.Array) and qs.ndim == 2 and kp.ndim == 2
                     and isinstance(qs.dtype, types.Float)):
@@ -138,26 +151,29 @@ if JIT:
                 rem = builder.srem(n_, _ir.Constant(I64, lanes))
                 full = builder.sub(n_, rem)
 
-                def step(i, load):
-                    qv = [load(builder.gep(r, [i]), qty.dtype) for r in qrows]
+                def step(i, load, heads):
+                    qv = {a: load(builder.gep(qrows[a], [i]), qty.dtype) for a in heads}
                     kv = [load(builder.gep(r, [i]), kty.dtype) for r in krows]
-                    for a in range(ng):
+                    for a in heads:
                         for b in range(nt):
                             sl = slots[a * nt + b]
                             builder.store(builder.call(fma, [qv[a], kv[b], builder.load(sl)]), sl)
 
-                with _cg.for_range_slice(builder, _ir.Constant(I64, 0), full, _ir.Constant(I64, lanes)) as (i, _):
-                    step(i, lambda ptr, st: vload_ir(context, builder, ptr, st, lanes, vt))
-                with builder.if_then(builder.icmp_signed(">", rem, _ir.Constant(I64, 0)), likely=False):
-                    mask = lane_mask(builder, rem, lanes)
-                    step(full, lambda ptr, st: vload_masked_ir(context, builder, ptr, st, lanes, vt, mask))
+                # AVX-512: every head's sums in one pass (4 x 4 sums: 16 of the 32 registers); AVX2 (`WIDE` False:
+                # 16 registers, a 16-lane vector takes two): a pass per head. Each sum is the same chain either way.
+                for heads in head_groups(ng, per_head):
+                    with _cg.for_range_slice(builder, _ir.Constant(I64, 0), full, _ir.Constant(I64, lanes)) as (i, _):
+                        step(i, lambda ptr, st: vload_ir(context, builder, ptr, st, lanes, vt), heads)
+                    with builder.if_then(builder.icmp_signed(">", rem, _ir.Constant(I64, 0)), likely=False):
+                        mask = lane_mask(builder, rem, lanes)
+                        step(full, lambda ptr, st: vload_masked_ir(context, builder, ptr, st, lanes, vt, mask), heads)
                 sums = reduce_many_ir(builder, [builder.load(sl) for sl in slots], lanes)
                 return context.make_tuple(builder, sig.return_type, sums)
 
             return types.UniTuple(qs.dtype, ng * nt)(qs, g, kp, t, n, last), codegen
         return intrinsic(typer)
 
-    def _make_pv(ng, nvec):
+    def _make_pv(ng, nvec, per_head=None):
         def typer(typingctx, S, g, c, vp, t0, t1, acc, n):
             if not (isinstance(S, types.Array) and isinstance(vp, types.Array) and isinstance(acc, types.Array)):
                 return None
@@ -181,31 +197,34 @@ if JIT:
                 # widening each row: no shuffle per row, nor per call)
                 pairs = vty.dtype == types.int16 and lanes == 16 and nvec == 2
                 with _cg.for_range_slice(builder, _ir.Constant(I64, 0), n_, _ir.Constant(I64, strip)) as (d, _):
-                    for a in range(ng):
-                        ptrs = [builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))]) for k in range(nvec)]
-                        av = [builder.load(builder.bitcast(p, vt.as_pointer()), align=4) for p in ptrs]
-                        for k in range(nvec):
-                            builder.store(av[k], slots[a * nvec + k])
-                    with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(I64, 1)) as (t, _):
-                        vrow = builder.gep(vary.data, [builder.add(builder.mul(t, vcols), d)])
-                        if pairs:       # 32 bfloat16 as 16 x i32: even elements by a shift, odd ones by a mask
-                            x = builder.load(builder.bitcast(vrow, _ir.VectorType(I32, 16).as_pointer()), align=2)
-                            vv = list(bf16_pairs_ir(builder, x))
-                        else:
-                            vv = [vload_ir(context, builder, builder.gep(vrow, [_ir.Constant(I64, k * lanes)]),
-                                         vty.dtype, lanes, vt) for k in range(nvec)]
-                        for a in range(ng):
-                            w = builder.load(builder.gep(srows[a], [t]))
-                            wv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), w, _ir.Constant(I32, 0)),
-                                                        _ir.Constant(vt, None), _ir.Constant(_ir.VectorType(I32, lanes), [0] * lanes))
+                    # AVX-512: every head over one pass of the value rows (4 x 2 vectors: 8 of the 32 registers);
+                    # AVX2: a pass per head (4 of the 16 registers). The same chains either way.
+                    for heads in head_groups(ng, per_head):
+                        for a in heads:
+                            ptrs = [builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))]) for k in range(nvec)]
+                            av = [builder.load(builder.bitcast(p, vt.as_pointer()), align=4) for p in ptrs]
                             for k in range(nvec):
-                                sl = slots[a * nvec + k]
-                                builder.store(builder.call(fma, [wv, vv[k], builder.load(sl)]), sl)
-                    for a in range(ng):
-                        av = [builder.load(slots[a * nvec + k]) for k in range(nvec)]
-                        for k in range(nvec):
-                            p = builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))])
-                            builder.store(av[k], builder.bitcast(p, vt.as_pointer()), align=4)
+                                builder.store(av[k], slots[a * nvec + k])
+                        with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(I64, 1)) as (t, _):
+                            vrow = builder.gep(vary.data, [builder.add(builder.mul(t, vcols), d)])
+                            if pairs:       # 32 bfloat16 as 16 x i32: even elements by a shift, odd ones by a mask
+                                x = builder.load(builder.bitcast(vrow, _ir.VectorType(I32, 16).as_pointer()), align=2)
+                                vv = list(bf16_pairs_ir(builder, x))
+                            else:
+                                vv = [vload_ir(context, builder, builder.gep(vrow, [_ir.Constant(I64, k * lanes)]),
+                                             vty.dtype, lanes, vt) for k in range(nvec)]
+                            for a in heads:
+                                w = builder.load(builder.gep(srows[a], [t]))
+                                wv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), w, _ir.Constant(I32, 0)),
+                                                            _ir.Constant(vt, None), _ir.Constant(_ir.VectorType(I32, lanes), [0] * lanes))
+                                for k in range(nvec):
+                                    sl = slots[a * nvec + k]
+                                    builder.store(builder.call(fma, [wv, vv[k], builder.load(sl)]), sl)
+                        for a in heads:
+                            av = [builder.load(slots[a * nvec + k]) for k in range(nvec)]
+                            for k in range(nvec):
+                                p = builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))])
+                                builder.store(av[k], builder.bitcast(p, vt.as_pointer()), align=4)
                 return context.get_dummy_value()
 
             return types.void(S, g, c, vp, t0, t1, acc, n), codegen
@@ -216,6 +235,7 @@ if JIT:
     _dot14_ir = _make_dot(1, 4)
     _pv4_ir = _make_pv(4, 2)
     _pv1_ir = _make_pv(1, 2)
+    _forced = {p: (_make_dot(4, 4, p), _make_pv(4, 2, p)) for p in (False, True)}   # `testing_blocks`
 
     @overload(dot44, inline="always")
     def _dot44_ov(qs, g, kp, t, n, last):
@@ -278,3 +298,25 @@ if JIT:
                 for d in range(W - W % 32, W):
                     row[d] = ld(src[d])
         return impl
+
+
+def testing_blocks(per_head: bool):
+    """(dot44, pv4) as jitted callables for tests, compiled with the heads in one pass (per_head=False, AVX-512's
+    blocks) or one head per pass (True, AVX2's), whatever the CPU: dot44(qs, g, kp, t, n, last) -> an array [16];
+    pv4(S, g, c, vp, t0, t1, acc, n) adds into acc. Without the JIT: the twins."""
+    if not JIT:
+        return (lambda *a: np.array(dot44(*a))), pv4
+    d44, p4 = _forced[per_head]
+
+    @njit
+    def dot(qs, g, kp, t, n, last):
+        r = d44(qs, g, kp, t, n, last)
+        out = np.empty(16, qs.dtype)
+        for i in range(16):
+            out[i] = r[i]
+        return out
+
+    @njit
+    def pv(S, g, c, vp, t0, t1, acc, n):
+        p4(S, g, c, vp, t0, t1, acc, n)
+    return dot, pv

@@ -4,6 +4,8 @@ into float64), masked tails, ordered adds, FMAs, the butterfly that reduces many
 the bfloat16 pair widening. Functions of an llvmlite ``builder``; they emit code, they compile nothing.
 
     lanes_of(numba float type) -> 16 (float32) or 8 (float64)
+    WIDE                             whether the target has AVX-512's 32 vector registers (else AVX2's 16 of
+                                     256 bits: a 16-lane vector takes two, and the blocks hold fewer at once)
     row_ptr_ir(context, builder, aryty, arr, row) -> pointer to element [row, 0] of a C-contiguous 2-D array
     vload_ir / vload_masked_ir(...) -> <lanes x compute> from storage, widened exactly (`widen_ir`)
     reduce_many_ir(builder, accs, lanes) -> the sums of n accumulators (one butterfly of shuffles)
@@ -14,8 +16,11 @@ from llvmlite import ir as _ir
 from numba import types
 from numba.core import cgutils as _cg
 
+from kvcache.jit_target import target_has
+
 I32 = _ir.IntType(32)
 I64 = _ir.IntType(64)
+WIDE = target_has("avx512f")
 
 
 def lanes_of(nbty):
