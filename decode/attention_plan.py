@@ -101,7 +101,8 @@ def accumulator(compute: np.dtype, precision: str = "default", head_dim: int = W
 # rows (tokens x group) are padded to 16 lanes, while the per-query kernel shares each K/V row among the group's
 # heads too. int8 pages: measured on the Intel guest with AMX only (2026-12-07, the command above with `--storages
 # int8`, twice; benchmarks/results/routing-intel-amx-2026-12-07-int8{,-b}.jsonl), where MIN_RUN (3, unmeasured
-# until then) lost up to 2.02x (d128 G1 runs of 3-6 tiled); taken on every CPU (no other measurement):
+# until then) lost up to 2.02x (d128 G1 runs of 3-6 tiled); taken on every CPU with AVX-512 (without it:
+# `ROUTE_MIN_RUN_AVX2`):
 #   d128 int8      G1 7 (1.00), G2 4 (1.00), G4 3 (1.04), G8+ 2 (1.01)
 #   d64  int8      G1 5 (1.00), G2 4 (1.05), G4 3 (1.00), G8+ 2 (1.00)
 # Head dims below 64 (q.k in float64) and float64 storage: MIN_RUN (not measured).
@@ -152,6 +153,34 @@ ROUTE_MIN_RUN_AMX_CPU = {
 }
 AMX_CPU = target_has("amx-tile") and target_has("amx-bf16")
 
+# Every format on a CPU without AVX-512 (`AVX512` False: AVX2, where the kernels' register blocks take their AVX2
+# shapes, `kernels.vector_ir.WIDE`). Measured on the 2-vCPU AMD EPYC Zen 3 guest twice once those blocks landed
+# (2026-12-07, main at 6696526, `python -m benchmarks.routing --contexts 512,4096 --tokens 2,3,4,5,6,7 --groups
+# 1,2,4,8,16 --head-dims 64,128 --threads 1 --storages float32,float16` and `--storages bfloat16,int8`, the two
+# processes side by side; benchmarks/results/routing-zen3-2026-12-07-avx2-{f32f16,bf16-int8}{,-b}.jsonl), each
+# length the one whose worst loss over both runs and both contexts is least; the two runs chose the same lengths
+# (but bfloat16 d64 G1: 5 in the first). Lengths (worst loss):
+#   d128 float32   G1 4 (1.03), G2 4 (1.15), G4 3 (1.07), G8+ 2 (1.10)
+#   d128 float16   G1 6 (1.22), G2 4 (1.21), G4 3 (1.09), G8+ 2 (1.04)
+#   d128 bfloat16  G1 6 (1.34), G2 4 (1.33), G4 3 (1.02), G8+ 2 (1.00)
+#   d128 int8      G1 5 (1.00), G2 4 (1.02), G4 3 (1.00), G8+ 2 (1.00)
+#   d64  float32   G1 5 (1.27), G2 4 (1.26), G4 3 (1.00), G8+ 2 (1.00)
+#   d64  float16   G1 5 (1.34), G2 4 (1.02), G4 3 (1.00), G8+ 2 (1.00)
+#   d64  bfloat16  G1 6 (1.11), G2 4 (1.00), G4 3 (1.00), G8+ 2 (1.00)
+#   d64  int8      G1 4 (1.00), G2 3 (1.00), G4+ 2 (1.00)
+# The losses left are G = 1 / 2 runs of 4-6 that the tiled kernel wins at context 4096 and loses at 512.
+ROUTE_MIN_RUN_AVX2 = {
+    ("float32", 64): ((1, 5), (2, 4), (4, 3), (8, 2)),
+    ("float16", 64): ((1, 5), (2, 4), (4, 3), (8, 2)),
+    (BFLOAT16, 64): ((1, 6), (2, 4), (4, 3), (8, 2)),
+    ("int8", 64): ((1, 4), (2, 3), (4, 2)),
+    ("float32", 128): ((1, 4), (4, 3), (8, 2)),
+    ("float16", 128): ((1, 6), (2, 4), (4, 3), (8, 2)),
+    (BFLOAT16, 128): ((1, 6), (2, 4), (4, 3), (8, 2)),
+    ("int8", 128): ((1, 5), (2, 4), (4, 3), (8, 2)),
+}
+AVX512 = target_has("avx512f")
+
 
 def _skipped(entry) -> tuple:
     """The run lengths a `ROUTE_MIN_RUN` entry leaves to the per-query kernel above its length (its third
@@ -159,7 +188,8 @@ def _skipped(entry) -> tuple:
     return tuple(entry[2]) if len(entry) > 2 else ()
 
 
-_TABLES = (*ROUTE_MIN_RUN.values(), *ROUTE_MIN_RUN_AMX.values(), *ROUTE_MIN_RUN_AMX_CPU.values())
+_TABLES = (*ROUTE_MIN_RUN.values(), *ROUTE_MIN_RUN_AMX.values(), *ROUTE_MIN_RUN_AMX_CPU.values(),
+           *ROUTE_MIN_RUN_AVX2.values())
 LONGEST_MIN_RUN = max([MIN_RUN] + [e[1] for table in _TABLES for e in table])   # any shapes' bound
 # a skipped length lies below it: from LONGEST_MIN_RUN on every shape's run is tiled (`decode.hf.query_chunks`)
 assert all(x < LONGEST_MIN_RUN for table in _TABLES for e in table for x in _skipped(e))
@@ -168,8 +198,8 @@ assert all(x < LONGEST_MIN_RUN for table in _TABLES for e in table for x in _ski
 def route_rule(group: int, head_dim: int, storage) -> tuple[int, tuple]:
     """(min_run, skip): runs of one sequence's consecutive queries of >= min_run queries, other than the lengths
     in skip, go to the tiled kernel; the others to the per-query kernel (`ROUTE_MIN_RUN`; `ROUTE_MIN_RUN_AMX` for
-    bfloat16 pages where the tiles run, `ROUTE_MIN_RUN_AMX_CPU` for float32 / float16 pages on a CPU with AMX;
-    MIN_RUN and no skip where a table has no entry). A function of the shapes (and of the CPU and whether the
+    bfloat16 pages where the tiles run, `ROUTE_MIN_RUN_AMX_CPU` for float32 / float16 pages on a CPU with AMX,
+    `ROUTE_MIN_RUN_AVX2` on a CPU without AVX-512; MIN_RUN and no skip where a table has no entry). A function of the shapes (and of the CPU and whether the
     process runs AMX tiles) only (never of the thread count, the context length, q or the other queries of a
     call), so a sequence is routed the same alone and in any batch (docs/kernel.md, "Determinism")."""
     name = BFLOAT16 if isinstance(storage, str) and storage == BFLOAT16 else np.dtype(storage).name
@@ -178,6 +208,8 @@ def route_rule(group: int, head_dim: int, storage) -> tuple[int, tuple]:
         table = {(BFLOAT16, d): e for d, e in ROUTE_MIN_RUN_AMX.items()}
     elif AMX_CPU and any(fmt == name for fmt, _ in ROUTE_MIN_RUN_AMX_CPU):
         table = ROUTE_MIN_RUN_AMX_CPU
+    elif not AVX512:
+        table = ROUTE_MIN_RUN_AVX2
     dims = [d for (fmt, d) in table if fmt == name and d <= head_dim]
     if not dims:
         return MIN_RUN, ()

@@ -10,7 +10,7 @@ elements broadcast.
     gemm4(A, a_rs, a_cs, i0, B, c0, C, nk, nv, init, rsc, sc, mx, imax)     the same for the 4 rows i0..i0+3
     gemm_strip_bf(A, a_rs, i0, i1, B, c0, C, nk, nv, init, sc, mx, imax)     a fresh C over bfloat16 pairs
         (`vdpbf16ps`: A's rows and B's pairs int16 bfloat16 bits, C float32; `pair_scores`)
-    testing_strip(wide, dtype)                                                `gemm_strip` with AVX-512's or AVX2's blocks
+    testing_strip(wide, dtype)                                   `gemm_strip` with AVX-512's or AVX2's blocks
     transpose16(qf, off, d0, QT, r0)                                          a 16 x 16 transposed copy
     transpose_rows(src, n, width, off, dst)                                   dst[c, j] = src[j, c] by 16 x 16s
 

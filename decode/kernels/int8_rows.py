@@ -2,8 +2,8 @@
 head: int8 rows widened with their group scales into float32 rows (the per-query kernel's widened chunks and
 the tiled kernel's K/V blocks, `block_rows_int8`), and the per-query kernel's score and value passes per
 query-head group (`score_rows_int8`: `qk_int8` G < 4, `qk4_int8` G 4-7, widened G >= 8; `value_rows_int8`:
-`pv_folded` G < 4, `pv_int8` G >= 4; CPUs without AVX-512 widen more: `DIRECT_BELOW`, `WIDEN_FROM`). Shapes in each docstring; `decode.kernels.loaders` dispatches to them.
-Scales come as the tile's float32 conversion ``st [page_size * ceil(width / 32)]`` (`loaders.tile_scales`).
+`pv_folded` G < 4, `pv_int8` G >= 4; CPUs without AVX-512 widen from smaller groups: `DIRECT_BELOW`,
+`WIDEN_FROM`). Shapes in each docstring; `decode.kernels.loaders` dispatches to them. Scales come as the tile's float32 conversion ``st [page_size * ceil(width / 32)]`` (`loaders.tile_scales`).
 """
 import numpy as np
 from numba import njit

@@ -196,35 +196,43 @@ if JIT:
                 # dims, then odd dims), the order a row's pairs widen into (the same FMAs, in the same order, as
                 # widening each row: no shuffle per row, nor per call)
                 pairs = vty.dtype == types.int16 and lanes == 16 and nvec == 2
+                splat = _ir.Constant(_ir.VectorType(I32, lanes), [0] * lanes)
+
+                def one_pass(heads, d):
+                    """acc[g + a, d : d + strip] += the rows' weighted sum for the heads a in ``heads``."""
+                    for a in heads:
+                        ptrs = [builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))])
+                                for k in range(nvec)]
+                        av = [builder.load(builder.bitcast(p, vt.as_pointer()), align=4) for p in ptrs]
+                        for k in range(nvec):
+                            builder.store(av[k], slots[a * nvec + k])
+                    with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(I64, 1)) as (t, _):
+                        vrow = builder.gep(vary.data, [builder.add(builder.mul(t, vcols), d)])
+                        if pairs:       # 32 bfloat16 as 16 x i32: even elements by a shift, odd ones by a mask
+                            x = builder.load(builder.bitcast(vrow, _ir.VectorType(I32, 16).as_pointer()), align=2)
+                            vv = list(bf16_pairs_ir(builder, x))
+                        else:
+                            vv = [vload_ir(context, builder, builder.gep(vrow, [_ir.Constant(I64, k * lanes)]),
+                                           vty.dtype, lanes, vt) for k in range(nvec)]
+                        for a in heads:
+                            w = builder.load(builder.gep(srows[a], [t]))
+                            wv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), w,
+                                                                               _ir.Constant(I32, 0)),
+                                                        _ir.Constant(vt, None), splat)
+                            for k in range(nvec):
+                                sl = slots[a * nvec + k]
+                                builder.store(builder.call(fma, [wv, vv[k], builder.load(sl)]), sl)
+                    for a in heads:
+                        av = [builder.load(slots[a * nvec + k]) for k in range(nvec)]
+                        for k in range(nvec):
+                            p = builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))])
+                            builder.store(av[k], builder.bitcast(p, vt.as_pointer()), align=4)
+
                 with _cg.for_range_slice(builder, _ir.Constant(I64, 0), n_, _ir.Constant(I64, strip)) as (d, _):
                     # AVX-512: every head over one pass of the value rows (4 x 2 vectors: 8 of the 32 registers);
                     # AVX2: a pass per head (4 of the 16 registers). The same chains either way.
                     for heads in head_groups(ng, per_head):
-                        for a in heads:
-                            ptrs = [builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))]) for k in range(nvec)]
-                            av = [builder.load(builder.bitcast(p, vt.as_pointer()), align=4) for p in ptrs]
-                            for k in range(nvec):
-                                builder.store(av[k], slots[a * nvec + k])
-                        with _cg.for_range_slice(builder, t0_, t1_, _ir.Constant(I64, 1)) as (t, _):
-                            vrow = builder.gep(vary.data, [builder.add(builder.mul(t, vcols), d)])
-                            if pairs:       # 32 bfloat16 as 16 x i32: even elements by a shift, odd ones by a mask
-                                x = builder.load(builder.bitcast(vrow, _ir.VectorType(I32, 16).as_pointer()), align=2)
-                                vv = list(bf16_pairs_ir(builder, x))
-                            else:
-                                vv = [vload_ir(context, builder, builder.gep(vrow, [_ir.Constant(I64, k * lanes)]),
-                                             vty.dtype, lanes, vt) for k in range(nvec)]
-                            for a in heads:
-                                w = builder.load(builder.gep(srows[a], [t]))
-                                wv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vt, None), w, _ir.Constant(I32, 0)),
-                                                            _ir.Constant(vt, None), _ir.Constant(_ir.VectorType(I32, lanes), [0] * lanes))
-                                for k in range(nvec):
-                                    sl = slots[a * nvec + k]
-                                    builder.store(builder.call(fma, [wv, vv[k], builder.load(sl)]), sl)
-                        for a in heads:
-                            av = [builder.load(slots[a * nvec + k]) for k in range(nvec)]
-                            for k in range(nvec):
-                                p = builder.gep(arows[a], [builder.add(d, _ir.Constant(I64, k * lanes))])
-                                builder.store(av[k], builder.bitcast(p, vt.as_pointer()), align=4)
+                        one_pass(heads, d)
                 return context.get_dummy_value()
 
             return types.void(S, g, c, vp, t0, t1, acc, n), codegen

@@ -161,22 +161,20 @@ def test_a_plan_for_one_thread_is_serial_whatever_numbas_count(count):
 
 
 def test_bfloat16_rule_follows_the_tiles(monkeypatch):
-    """bfloat16 pages take `ROUTE_MIN_RUN_AMX` where the tiled kernel runs on AMX tiles, `ROUTE_MIN_RUN` with the
-    tiles off ($KVENGINE_AMX=0) or on a CPU without them; other formats never change."""
+    """bfloat16 pages take `ROUTE_MIN_RUN_AMX` where the tiled kernel runs on AMX tiles, the CPU's other table
+    with the tiles off ($KVENGINE_AMX=0) or on a CPU without them (`ROUTE_MIN_RUN`, or `ROUTE_MIN_RUN_AVX2` without
+    AVX-512); other formats never change."""
     from decode.kernels import amx_tiles
     tiles = amx_tiles.usable()
+    tiles_off = AP.ROUTE_MIN_RUN if AP.AVX512 else AP.ROUTE_MIN_RUN_AVX2
     for head_dim, table in AP.ROUTE_MIN_RUN_AMX.items():
         for entry in table:
-            want = entry[1] if tiles else dict((e[0], e[1]) for e in AP.ROUTE_MIN_RUN[AP.BFLOAT16, head_dim])
-            got = AP.route_min_run(entry[0], head_dim, AP.BFLOAT16)
-            if tiles:
-                assert got == want
-            else:
-                assert got == max((g, m) for g, m in want.items() if g <= entry[0])[1]
+            want = entry[1] if tiles else expected_rule(tiles_off, AP.BFLOAT16, entry[0], head_dim)[0]
+            assert AP.route_min_run(entry[0], head_dim, AP.BFLOAT16) == want
     f32 = AP.route_rule(4, 128, np.float32)
     monkeypatch.setenv(amx_tiles.ENV, "0")
     assert AP.route_rule(4, 128, np.float32) == f32
-    assert AP.route_rule(4, 128, AP.BFLOAT16) == (4, (5,))
+    assert AP.route_rule(4, 128, AP.BFLOAT16) == expected_rule(tiles_off, AP.BFLOAT16, 4, 128)
 
 
 def expected_rule(table, name, group, head_dim):
@@ -189,15 +187,21 @@ def expected_rule(table, name, group, head_dim):
     return entry[1], tuple(entry[2]) if len(entry) > 2 else ()
 
 
-@pytest.mark.parametrize("amx_cpu", (False, True))
-def test_float_rule_follows_the_cpu(monkeypatch, amx_cpu):
+CPU_TABLES = {"avx2": "ROUTE_MIN_RUN_AVX2", "avx512": "ROUTE_MIN_RUN", "amx": "ROUTE_MIN_RUN_AMX_CPU"}
+
+
+@pytest.mark.parametrize("cpu", sorted(CPU_TABLES))
+def test_float_and_int8_rules_follow_the_cpu(monkeypatch, cpu):
     """float32 / float16 pages take `ROUTE_MIN_RUN_AMX_CPU` on a CPU with AMX (measured there: the other table lost
-    up to 1.85x) and `ROUTE_MIN_RUN` elsewhere, whatever $KVENGINE_AMX says; int8 takes `ROUTE_MIN_RUN`'s lengths
-    (measured on the Intel guest: MIN_RUN lost up to 2x) and float64 MIN_RUN on both; the tables differ where the
-    Intel guest measured otherwise (d128 float32 G1: runs of 3 tiled there)."""
+    up to 1.85x), `ROUTE_MIN_RUN_AVX2` on one without AVX-512 (measured on a Zen 3 once its register blocks fit
+    AVX2) and `ROUTE_MIN_RUN` on the others, whatever $KVENGINE_AMX says; int8 takes the AVX2 table without
+    AVX-512, else `ROUTE_MIN_RUN`'s lengths; float64 MIN_RUN everywhere. The tables differ where their CPUs
+    measured otherwise, so a wrong choice shows."""
     from decode.kernels import amx_tiles
-    monkeypatch.setattr(AP, "AMX_CPU", amx_cpu)
-    table = AP.ROUTE_MIN_RUN_AMX_CPU if amx_cpu else AP.ROUTE_MIN_RUN
+    monkeypatch.setattr(AP, "AMX_CPU", cpu == "amx")
+    monkeypatch.setattr(AP, "AVX512", cpu != "avx2")
+    table = getattr(AP, CPU_TABLES[cpu])
+    int8_table = AP.ROUTE_MIN_RUN_AVX2 if cpu == "avx2" else AP.ROUTE_MIN_RUN
     for env in ("1", "0"):
         monkeypatch.setenv(amx_tiles.ENV, env)
         for name in ("float32", "float16"):
@@ -208,8 +212,9 @@ def test_float_rule_follows_the_cpu(monkeypatch, amx_cpu):
         for head_dim in (32, 64, 128):
             for group in GROUPS:
                 assert AP.route_rule(group, head_dim, np.dtype("int8")) == \
-                    expected_rule(AP.ROUTE_MIN_RUN, "int8", group, head_dim)
+                    expected_rule(int8_table, "int8", group, head_dim)
                 assert AP.route_rule(group, head_dim, np.dtype("float64")) == (AP.MIN_RUN, ())
-    assert AP.route_min_run(1, 128, np.float32) == (3 if amx_cpu else 5)
-    assert AP.routes_tiled(3, 1, 128, np.float32) == amx_cpu
-    assert not AP.routes_tiled(6, 1, 128, np.int8) and AP.routes_tiled(7, 1, 128, np.int8)
+    for other in set(CPU_TABLES) - {cpu}:
+        tab = getattr(AP, CPU_TABLES[other])
+        assert any(expected_rule(tab, name, g, d) != expected_rule(table, name, g, d)
+                   for name in ("float32", "float16") for d in (64, 128) for g in GROUPS), (cpu, other)
