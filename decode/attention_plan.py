@@ -155,7 +155,7 @@ AMX_CPU = target_has("amx-tile") and target_has("amx-bf16")
 
 # Every format on a CPU without AVX-512 (`AVX512` False: AVX2, where the kernels' register blocks take their AVX2
 # shapes, `kernels.vector_ir.WIDE`). Measured on the 2-vCPU AMD EPYC Zen 3 guest twice once those blocks landed
-# (2026-12-07, main at 6696526, `python -m benchmarks.routing --contexts 512,4096 --tokens 2,3,4,5,6,7 --groups
+# (2026-12-07, main at 0210c6b, `python -m benchmarks.routing --contexts 512,4096 --tokens 2,3,4,5,6,7 --groups
 # 1,2,4,8,16 --head-dims 64,128 --threads 1 --storages float32,float16` and `--storages bfloat16,int8`, the two
 # processes side by side; benchmarks/results/routing-zen3-2026-12-07-avx2-{f32f16,bf16-int8}{,-b}.jsonl), each
 # length the one whose worst loss over both runs and both contexts is least; the two runs chose the same lengths
