@@ -199,9 +199,10 @@ def route_rule(group: int, head_dim: int, storage) -> tuple[int, tuple]:
     """(min_run, skip): runs of one sequence's consecutive queries of >= min_run queries, other than the lengths
     in skip, go to the tiled kernel; the others to the per-query kernel (`ROUTE_MIN_RUN`; `ROUTE_MIN_RUN_AMX` for
     bfloat16 pages where the tiles run, `ROUTE_MIN_RUN_AMX_CPU` for float32 / float16 pages on a CPU with AMX,
-    `ROUTE_MIN_RUN_AVX2` on a CPU without AVX-512; MIN_RUN and no skip where a table has no entry). A function of the shapes (and of the CPU and whether the
-    process runs AMX tiles) only (never of the thread count, the context length, q or the other queries of a
-    call), so a sequence is routed the same alone and in any batch (docs/kernel.md, "Determinism")."""
+    `ROUTE_MIN_RUN_AVX2` on a CPU without AVX-512; MIN_RUN and no skip where a table has no entry). A function of
+    the shapes (and of the CPU and whether the process runs AMX tiles) only (never of the thread count, the
+    context length, q or the other queries of a call), so a sequence is routed the same alone and in any batch
+    (docs/kernel.md, "Determinism")."""
     name = BFLOAT16 if isinstance(storage, str) and storage == BFLOAT16 else np.dtype(storage).name
     table = ROUTE_MIN_RUN
     if name == BFLOAT16 and amx_tiles.usable():

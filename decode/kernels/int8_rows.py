@@ -3,7 +3,8 @@ head: int8 rows widened with their group scales into float32 rows (the per-query
 the tiled kernel's K/V blocks, `block_rows_int8`), and the per-query kernel's score and value passes per
 query-head group (`score_rows_int8`: `qk_int8` G < 4, `qk4_int8` G 4-7, widened G >= 8; `value_rows_int8`:
 `pv_folded` G < 4, `pv_int8` G >= 4; CPUs without AVX-512 widen from smaller groups: `DIRECT_BELOW`,
-`WIDEN_FROM`). Shapes in each docstring; `decode.kernels.loaders` dispatches to them. Scales come as the tile's float32 conversion ``st [page_size * ceil(width / 32)]`` (`loaders.tile_scales`).
+`WIDEN_FROM`). Shapes in each docstring; `decode.kernels.loaders` dispatches to them. Scales come as the tile's
+float32 conversion ``st [page_size * ceil(width / 32)]`` (`loaders.tile_scales`).
 """
 import numpy as np
 from numba import njit
@@ -76,7 +77,7 @@ def pv_int8(S, c0, vp, st, s0, s1, acc, vt):
     full = Dv // GROUP
     NG = -(-Dv // GROUP)
     RC = vt.shape[0]
-    if G >= WIDEN_FROM or full == 0:    # from 8 heads on, one widened tile per chunk converts less (measured)
+    if G >= WIDEN_FROM or full == 0:    # from there, one widened tile per chunk converts less (measured)
         r = s0
         while r < s1:
             r1 = min(s1, r + RC)
