@@ -31,8 +31,8 @@ bit of the result. On a target without AVX-512 (`vector_ir.WIDE` False: AVX2's 1
 C (init & FRESH, the multi-query kernel's score GEMM) of the accumulation dtype is summed in chunks of `KCHUNK`
 = 32 steps of k, each started from zero and added into C: one FMA chain over all of head_dim rounds at the
 magnitude of the running score at every step and came out up to 1.3x over the accuracy budget at head_dim 128,
-|q.k| ~ 3000 (tests/decode/test_int8_kernel.py::test_score_magnitudes); chunks of 32 took it to <= 0.33x. C += ... (no FRESH, the PV GEMM) and a narrower C (a float64 sum rounded once into
-float32) stay one chain. The caller keeps every touched element inside the arrays (pads rows to 4 and columns
+|q.k| ~ 3000 (tests/decode/test_int8_kernel.py::test_score_magnitudes); chunks of 32 took it to <= 0.33x. C +=
+... (no FRESH, the PV GEMM) and a narrower C (a float64 sum rounded once into float32) stay one chain. The caller keeps every touched element inside the arrays (pads rows to 4 and columns
 to LANES). The plain-NumPy twins run under NUMBA_DISABLE_JIT (the same chunks).
 """
 import numpy as np
