@@ -21,19 +21,20 @@ dtype; a max), so the results are bitwise those of the passes.
 
 A (any 2-D C-contiguous array, addressed flat with element strides a_rs / a_cs, so the same block serves A and
 A transposed) and B [nk.., cols] C-contiguous arrays of the accumulation dtype (A's = B's), C [rows, cols]
-C-contiguous, float32 or float64: float32 C with float64 A / B accumulates in float64 and rounds once into C
-(the multi-query kernel's exact scores). LANES = 16 for float32, 8 for float64 accumulation; nv in 1..4. A
-block's mr x nv accumulators (mr = 6: 24 of the 32 zmm registers) stay in registers over the whole k loop: per
-k, nv vector loads and mr broadcasts feed mr x nv FMAs (6 x 4: 10 loads per 24 FMAs; 4 x 4: 8 per 16). Every
-element of C is one FMA chain over k in order, whatever the block it falls in, so the blocking never changes a
-bit of the result. On a target without AVX-512 (`vector_ir.WIDE` False: AVX2's 16 256-bit registers, two per
-16-lane vector) the strip takes 6 rows x one vector at a time (12 registers of sums), column by column. A fresh
-C (init & FRESH, the multi-query kernel's score GEMM) of the accumulation dtype is summed in chunks of `KCHUNK`
-= 32 steps of k, each started from zero and added into C: one FMA chain over all of head_dim rounds at the
-magnitude of the running score at every step and came out up to 1.3x over the accuracy budget at head_dim 128,
-|q.k| ~ 3000 (tests/decode/test_int8_kernel.py::test_score_magnitudes); chunks of 32 took it to <= 0.33x. C +=
-... (no FRESH, the PV GEMM) and a narrower C (a float64 sum rounded once into float32) stay one chain. The caller keeps every touched element inside the arrays (pads rows to 4 and columns
-to LANES). The plain-NumPy twins run under NUMBA_DISABLE_JIT (the same chunks).
+C-contiguous, float32 or float64: float32 C with float64 A / B accumulates in float64 and rounds once into C (the
+multi-query kernel's exact scores). LANES = 16 for float32, 8 for float64 accumulation; nv in 1..4. A block's mr x
+nv accumulators (mr = 6: 24 of the 32 zmm registers) stay in registers over the whole k loop: per k, nv vector loads
+and mr broadcasts feed mr x nv FMAs (6 x 4: 10 loads per 24 FMAs; 4 x 4: 8 per 16). Every element of C is one FMA
+chain over k in order, whatever the block it falls in, so the blocking never changes a bit of the result. On a
+target without AVX-512 (`vector_ir.WIDE` False: AVX2's 16 256-bit registers, two per 16-lane vector) the strip takes
+6 rows x one vector at a time (12 registers of sums), column by column. A fresh C (init & FRESH, the multi-query
+kernel's score GEMM) of the accumulation dtype is summed in chunks of `KCHUNK` = 32 steps of k, each started from
+zero and added into C: one FMA chain over all of head_dim rounds at the magnitude of the running score at every step
+and came out up to 1.3x over the accuracy budget at head_dim 128, |q.k| ~ 3000
+(tests/decode/test_int8_kernel.py::test_score_magnitudes); chunks of 32 took it to <= 0.33x. C += ... (no FRESH, the
+PV GEMM) and a narrower C (a float64 sum rounded once into float32) stay one chain. The caller keeps every touched
+element inside the arrays (pads rows to 4 and columns to LANES). The plain-NumPy twins run under NUMBA_DISABLE_JIT
+(the same chunks).
 """
 import numpy as np
 
