@@ -14,8 +14,8 @@ masked vector for n % lanes); the PV blocks process `n` (a multiple of 32) eleme
     testing_blocks(per_head)                 dot44 / pv4 with AVX-512's or AVX2's passes, for tests
 
 On a target with AVX-512 the 4-head blocks take every head in one pass over the rows (16 / 8 of its 32 registers
-of sums); without it (`vector_ir.WIDE` False: AVX2's 16 256-bit registers, two per 16-lane vector) one head per
-pass (`head_groups`), each sum the same chain (the same bits) either way.
+of sums); without it (`vector_ir.WIDE` False: AVX2's 16 256-bit registers, two per 16-lane vector) `_dot44` one
+head per pass, `_pv4` two (`head_groups`, `PV_HEADS`), each sum the same chain (the same bits) either way.
 """
 import numpy as np
 from numba import njit
@@ -122,13 +122,17 @@ if JIT:
     from .vector_ir import (I32, I64, WIDE, bf16_pairs_ir, fma_ir, lane_mask, lanes_of, reduce_many_ir,
                             row_ptr_ir, vload_ir, vload_masked_ir)
 
-    def head_groups(ng, per_head=None):
-        """The heads a block's passes take: all at once where the target has AVX-512's 32 registers, else one per
-        pass (AVX2's 16: 4 heads' accumulators would spill; the per-query kernel took up to 1.5x longer at G >= 4 on
-        a Zen 3). per_head: force one (True) or the other (False) choice, for tests."""
+    PV_HEADS = 2     # heads a `_pv4` pass takes on AVX2 (2 heads x 2 vectors: 8 ymm of sums, 4 more for a value
+                     # row): the per-query kernel took 0.86-1.01x (median ~0.93) the time of one head a pass at
+                     # G = 4 / 8 (in-process A/B on the Zen 3 guest, bitwise the same outputs)
+
+    def head_groups(ng, per_head=None, narrow=1):
+        """The heads a block's passes take: all at once where the target has AVX-512's 32 registers, else `narrow`
+        per pass (AVX2's 16: 4 heads' accumulators would spill; the per-query kernel took up to 1.5x longer at G >= 4
+        on a Zen 3). per_head: force one (True) or the other (False) choice, for tests."""
         if per_head is None:
             per_head = not WIDE
-        return [[a] for a in range(ng)] if per_head else [range(ng)]
+        return [range(a, min(ng, a + narrow)) for a in range(0, ng, narrow)] if per_head else [range(ng)]
 
     def _make_dot(ng, nt, per_head=None):
         def typer(typingctx, qs, g, kp, t, n, last):
@@ -230,8 +234,8 @@ if JIT:
 
                 with _cg.for_range_slice(builder, _ir.Constant(I64, 0), n_, _ir.Constant(I64, strip)) as (d, _):
                     # AVX-512: every head over one pass of the value rows (4 x 2 vectors: 8 of the 32 registers);
-                    # AVX2: a pass per head (4 of the 16 registers). The same chains either way.
-                    for heads in head_groups(ng, per_head):
+                    # AVX2: two heads a pass (`PV_HEADS`: 8 of the 16 registers). The same chains either way.
+                    for heads in head_groups(ng, per_head, PV_HEADS):
                         one_pass(heads, d)
                 return context.get_dummy_value()
 
@@ -310,8 +314,8 @@ if JIT:
 
 def testing_blocks(per_head: bool):
     """(dot44, pv4) as jitted callables for tests, compiled with the heads in one pass (per_head=False, AVX-512's
-    blocks) or one head per pass (True, AVX2's), whatever the CPU: dot44(qs, g, kp, t, n, last) -> an array [16];
-    pv4(S, g, c, vp, t0, t1, acc, n) adds into acc. Without the JIT: the twins."""
+    blocks) or AVX2's passes (True: one head a pass for dot44, `PV_HEADS` for pv4), whatever the CPU: dot44(qs,
+    g, kp, t, n, last) -> an array [16]; pv4(S, g, c, vp, t0, t1, acc, n) adds into acc. Without the JIT: the twins."""
     if not JIT:
         return (lambda *a: np.array(dot44(*a))), pv4
     d44, p4 = _forced[per_head]
