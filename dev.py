@@ -21,7 +21,6 @@ EXTRAS = "test,plot,demo,compare,hf,distributed,serve"
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
 # tests that compile cold into a numba cache of their own (~40-60 s each): run in the background chain (`stages`)
 SELF_CONTAINED = "tests/reliability/test_readonly_install.py"
-CACHED_ENV = "KVENGINE_TESTS_KERNELS_CACHED"   # "1": numba's cache holds the kernels (tests/conftest.py's order)
 FRESH_COMPILE = "tests/decode/test_determinism.py::test_more_threads_than_cores_and_fresh_compile_equals_cache_load"
 
 
@@ -111,10 +110,7 @@ def stages(extra) -> tuple[list, list]:
         foreground = [Stage("tests", *extra, spread=True)]
     else:
         foreground = [Stage("kernel tests", "-m", "kernel", "tests", f"--deselect={FRESH_COMPILE}"),
-                      # the kernel tests have filled numba's cache: the Ray tests (latency-bound, one worker) may go
-                      # first, beside the others, instead of last on one worker while the other waits
-                      Stage("tests", "-m", "not kernel", "tests", f"--ignore={SELF_CONTAINED}", spread=True,
-                            env={CACHED_ENV: "1"})]
+                      Stage("tests", "-m", "not kernel", "tests", f"--ignore={SELF_CONTAINED}", spread=True)]
     background = []
     for flag in ("NUMBA_BOUNDSCHECK", "NUMBA_DISABLE_JIT"):
         env = {flag: "1", "NUMBA_CACHE_DIR": str(VENV / f"numba-{flag.lower()}")}

@@ -33,11 +33,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # Ray tests last: by then the other files have compiled the kernels into numba's on-disk cache, and the
-        # Ray workers (fresh processes) load them instead of compiling cold against their call timeout. First where
-        # `dev.py test` says the kernel tests have filled that cache already (KVENGINE_TESTS_KERNELS_CACHED=1): they
-        # wait on Ray more than they compute, and last they ran on one worker while the other had nothing left
-        first = os.environ.get("KVENGINE_TESTS_KERNELS_CACHED") == "1"
-        items.sort(key=lambda item: item.nodeid.startswith("tests/distributed/") != first)
+        # Ray workers (fresh processes) load them instead of compiling cold against their call timeout
+        items.sort(key=lambda item: item.nodeid.startswith("tests/distributed/"))
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="long form: pass --run-slow")
