@@ -5,6 +5,7 @@ arrays, page tables and storage checks the kernels need behind ``KVCache.pool`` 
 The snapshot errors' subclasses are in `kvcache.errors`; test tooling (fault injection and hooks, the allocator,
 writable internals) in `kvcache.testing`; every argument check in `kvcache.checks`.
 """
+from . import jit_cache  # noqa: F401  (first: cached kernels are stamped with the package's sources)
 from .cache import KVCache, PrefixMatch
 from .config import CacheConfig
 from .errors import CacheFullError, ScaleOverflowError, SnapshotError
