@@ -21,21 +21,24 @@ from .loaders import key_scratch, score_rows, tile_scales, value_rows
 from .register_blocks import in_pairs, unpair
 from .simd import FAST, borrow, prefetch_lines, touch_pages
 from .units import merge_rows
+from .vector_ir import WIDE
 
 GROUP = 32          # values per int8 scale group (the width of a scale row: ceil(width / GROUP))
 # pages are touched (`simd.touch_pages`) this many times the prefetch distance ahead, so that a page's address
 # translation is in the TLB before its lines are hinted (a hint that misses the TLB is dropped). Measured on the
 # 2-vCPU Zen 4 guest (4 KiB pages under nested paging, no transparent huge pages): a cold one-thread call over
 # 1 MiB of bfloat16 K/V 197 -> 184 µs at 3x; touching within the hinted rows (1x) did not help; on the 2-thread
-# decode cells 2x, 3x, 5x and 8x measured alike (docs/kernel.md, "Memory access")
-TOUCH_FACTOR = 3
+# decode cells 2x, 3x, 5x and 8x measured alike (docs/kernel.md, "Memory access"). Not on a CPU without AVX-512
+# (`vector_ir.WIDE` False): on the Zen 3 guest (AVX2) every cold decode / batch cell took 0.67-0.86x the time
+# without them (float32 MHA-32768 cold 73-78 -> 39-41 ms), the hot ones alike or faster
+TOUCH_FACTOR = 3 if WIDE else 0
 
 
 @njit(cache=True, fastmath=FAST)
 def prefetch_ahead(run, nxt, R0, R1, A, T):
     """Prefetch rows [R0 + A, R1 + A) of the walk whose current run is `run` and next run `nxt` (each a page
     [num_kv_heads, page_size, dim] read as num_kv_heads * page_size rows), and touch the pages of rows [R0 + T,
-    R1 + T) (`touch_pages`); A, T <= rows of a run."""
+    R1 + T) (`touch_pages`; none where T is 0); A, T <= rows of a run."""
     HP = run.shape[0] * run.shape[1]
     a = R0 + A
     b = R1 + A
@@ -43,12 +46,13 @@ def prefetch_ahead(run, nxt, R0, R1, A, T):
         prefetch_lines(run, a, min(b, HP))
     if b > HP:
         prefetch_lines(nxt, max(a - HP, 0), b - HP)
-    a = R0 + T
-    b = R1 + T
-    if a < HP:
-        touch_pages(run, a, min(b, HP))
-    if b > HP:
-        touch_pages(nxt, max(a - HP, 0), min(b - HP, HP))
+    if T > 0:                        # T = 0: no touches (`TOUCH_FACTOR`)
+        a = R0 + T
+        b = R1 + T
+        if a < HP:
+            touch_pages(run, a, min(b, HP))
+        if b > HP:
+            touch_pages(nxt, max(a - HP, 0), min(b - HP, HP))
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
