@@ -88,6 +88,11 @@ class _StampedLocator(_caching._CacheLocator):
         self._base = base
         self._stamp = stamp
 
+    def __getattr__(self, name):
+        # what numba reads of its locators beyond the interface (`_py_file`, for the warning on a function it
+        # cannot cache) comes from the base locator
+        return getattr(self.__dict__["_base"], name)
+
     def ensure_cache_path(self):
         self._base.ensure_cache_path()
 

@@ -29,6 +29,19 @@ def _package(tmp_path, stamped):
         def kern():
             return value()
         """))
+    (pkg / "dynamic.py").write_text(textwrap.dedent("""\
+        import ctypes
+        import ctypes.util
+
+        from numba import njit
+
+        cos = ctypes.CDLL(ctypes.util.find_library("m")).cos
+        cos.argtypes, cos.restype = [ctypes.c_double], ctypes.c_double
+
+        @njit(cache=True)
+        def uncachable(x):
+            return cos(x)
+        """))
     _helper(tmp_path, 1)
     return pkg
 
@@ -73,3 +86,16 @@ def test_stamp_follows_the_sources(tmp_path):
         assert jit_cache.package_stamp(str(pkg / "kern.py")) != first
     finally:
         jit_cache.unregister(str(pkg))
+
+
+def test_a_kernel_numba_cannot_cache_still_runs(tmp_path):
+    """A function of a registered package that numba will not cache (a ctypes pointer is a dynamic global; so are
+    the bounds checks' error messages under NUMBA_BOUNDSCHECK=1) runs, with numba's warning naming its file."""
+    _package(tmp_path, stamped=True)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    code = "import math, pkg.dynamic as d; print(d.uncachable(0.5) == math.cos(0.5))"
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "True"
+    assert "Cannot cache" in out.stderr and "dynamic.py" in out.stderr
