@@ -81,8 +81,10 @@ def unregister(package_dir):
     _STAMPS.pop(root, None)
 
 
-class _StampedLocator(_caching._CacheLocator):
-    """numba's locator for a function of a registered package, with the package's stamp added to the source's."""
+class _StampedLocator:
+    """numba's locator for a function of a registered package, with the package's stamp added to the source's (the
+    interface of numba's `_CacheLocator`, whose methods it forwards; not a subclass: no private name of numba's is
+    needed to import this module)."""
 
     def __init__(self, base, stamp):
         self._base = base
@@ -91,7 +93,10 @@ class _StampedLocator(_caching._CacheLocator):
     def __getattr__(self, name):
         # what numba reads of its locators beyond the interface (`_py_file`, for the warning on a function it
         # cannot cache) comes from the base locator
-        return getattr(self.__dict__["_base"], name)
+        base = self.__dict__.get("_base")
+        if base is None:
+            raise AttributeError(name)
+        return getattr(base, name)
 
     def ensure_cache_path(self):
         self._base.ensure_cache_path()
