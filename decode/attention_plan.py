@@ -77,6 +77,20 @@ def accumulator(compute: np.dtype, precision: str = "default", head_dim: int = W
     return np.float32(0.0)
 
 
+_PLAN_ACC = {}                  # (storage, precision, wide head) -> `plan_accumulator`'s zero
+
+
+def plan_accumulator(storage, precision: str = "default", head_dim: int = WIDE_HEAD_DIM):
+    """The kernels' q.k accumulation zero for a storage format (`accumulator` of its `compute_dtype`; float32 for
+    int8, whose micro-kernels accumulate in float32), remembered per format: a plan is made per decode step."""
+    key = (storage, precision, head_dim >= WIDE_HEAD_DIM)
+    acc0 = _PLAN_ACC.get(key)
+    if acc0 is None:
+        acc0 = np.float32(0.0) if k_int8(storage) else accumulator(compute_dtype(storage), precision, head_dim)
+        _PLAN_ACC[key] = acc0
+    return acc0
+
+
 # Routing (issue 20; docs/kernel.md, "Routing"): the shortest run of one sequence's consecutive queries that the
 # tiled kernel takes, by (storage, head_dim) and group (num_q_heads / num_kv_heads): ((smallest group, run
 # length), ...), a group taking the entry of the largest listed group <= it; a head_dim the entry of the largest
@@ -194,6 +208,7 @@ def _skipped(entry) -> tuple:
 _TABLES = (*ROUTE_MIN_RUN.values(), *ROUTE_MIN_RUN_AMX.values(), *ROUTE_MIN_RUN_AMX_CPU.values(),
            *ROUTE_MIN_RUN_AVX2.values())
 LONGEST_MIN_RUN = max([MIN_RUN] + [e[1] for table in _TABLES for e in table])   # any shapes' bound
+SHORTEST_MIN_RUN = min([MIN_RUN] + [e[1] for table in _TABLES for e in table])  # fewer queries: none is tiled
 # a skipped length lies below it: from LONGEST_MIN_RUN on every shape's run is tiled (`decode.hf.query_chunks`)
 assert all(x < LONGEST_MIN_RUN for table in _TABLES for e in table for x in _skipped(e))
 
@@ -270,10 +285,13 @@ def visible_work(query_pos, window) -> int:
     return int(query_pos.sum()) + len(query_pos)
 
 
-def _any_cut(query_pos, window, split) -> bool:
+def any_cut(query_pos, window, split) -> bool:
     """Whether some query's visible keys ``[max(p + 1 - window, 0), p]`` cross a multiple of ``split``."""
     if len(query_pos) == 0:
         return False
+    if len(query_pos) == 1:                          # a decode step: in Python integers
+        hi = int(query_pos[0]) + 1
+        return (hi - 1) // split != (max(hi - window, 0) // split if window else 0)
     if not window:                                   # keys from 0: cut once a query sits at or past split
         return int(query_pos.max()) >= split
     hi = query_pos + 1
@@ -302,10 +320,13 @@ class QueryPlan:
         amx = tiles and (self.dot & amx_decode.FLAG) != 0
         split = split_tokens if split_tokens > 0 else (AMX_SPLIT_TOKENS if amx else SPLIT_TOKENS)
         self.split = split = -(-split // block) * block
-        nthreads = numba.get_num_threads() if threads is None else threads
-        self.serial = mode == 1 or (mode == 0 and (nthreads < 2 or visible_work(query_pos, window) * width
-                                                   < SERIAL_WORK))
-        cut = _any_cut(query_pos, window, split)
+        nthreads = threads               # numba's count (None) is read only where the work could take threads
+        if mode == 1 or (mode == 0 and visible_work(query_pos, window) * width < SERIAL_WORK):
+            self.serial = True
+        else:
+            nthreads = numba.get_num_threads() if threads is None else threads
+            self.serial = mode == 0 and nthreads < 2
+        cut = any_cut(query_pos, window, split)
         if self.serial and not cut:
             self.units, self.bounds, self.items, self.num_slots = _NO_UNITS, None, _NO_ITEMS, 0
         else:
@@ -382,13 +403,13 @@ class AttentionPlan:
         _, num_kv_heads, page_size, head_dim_v = v_shape
         skip = ()
         if min_run is None:
-            min_run, skip = route_rule(num_q_heads // num_kv_heads, head_dim, storage)
+            # fewer queries than any shapes' shortest run (a decode step): none is tiled whatever the rule says
+            min_run, skip = (SHORTEST_MIN_RUN, ()) if num_queries < SHORTEST_MIN_RUN else route_rule(
+                num_q_heads // num_kv_heads, head_dim, storage)
         self.query_seq, self.query_pos = query_seq, query_pos
         self.indices = self.indptr = None
         self.out_shape = (num_queries, num_q_heads, head_dim_v)
-        acc0 = accumulator(compute_dtype(storage), precision, head_dim)
-        if k_int8(storage):
-            acc0 = np.float32(0.0)                        # the int8 micro-kernels accumulate in float32
+        acc0 = plan_accumulator(storage, precision, head_dim)
         self.tiles, self.rest, self.single = None, None, None
         if tiled and num_queries >= min_run:
             runs, rest, keys = find_runs(query_seq, query_pos, min_run, np.array(skip, np.int64), window)
@@ -544,7 +565,7 @@ def attend_runs(q, k_pages, v_pages, page_indices, page_indptr, query_seq, query
     runs, rest, keys = find_runs(query_seq, query_pos, min_run, _NO_SKIP, window)
     if len(runs):
         _, num_q_heads, head_dim = q.shape
-        acc0 = np.float32(0.0) if k_int8(storage) else accumulator(compute_dtype(storage), precision, head_dim)
+        acc0 = plan_accumulator(storage, precision, head_dim)
         plan = TilePlan(runs, keys, window, num_q_heads, v_pages.shape[1], head_dim, v_pages.shape[3], acc0,
                         mode=mode, split_tokens=split_tokens)
         plan.run(q, kernel_view(k_pages, storage), kernel_view(v_pages, storage), kernel_view(k_scales),
