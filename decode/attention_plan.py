@@ -220,10 +220,24 @@ def route_rule(group: int, head_dim: int, storage) -> tuple[int, tuple]:
     `ROUTE_MIN_RUN_AVX2` on a CPU without AVX-512; MIN_RUN and no skip where a table has no entry). A function of
     the shapes (and of the CPU and whether the process runs AMX tiles) only (never of the thread count, the
     context length, q or the other queries of a call), so a sequence is routed the same alone and in any batch
-    (docs/kernel.md, "Determinism")."""
+    (docs/kernel.md, "Determinism"). Remembered per shapes and what the choice of table reads (a plan is made per
+    batch step)."""
+    tiles = amx_tiles.usable()
+    key = (group, head_dim, storage, tiles, AMX_CPU, AVX512, id(ROUTE_MIN_RUN), id(ROUTE_MIN_RUN_AMX),
+           id(ROUTE_MIN_RUN_AMX_CPU), id(ROUTE_MIN_RUN_AVX2))
+    rule = _RULES.get(key)
+    if rule is None:
+        rule = _RULES[key] = _route_rule(group, head_dim, storage, tiles)
+    return rule
+
+
+_RULES = {}                     # `route_rule`'s answers
+
+
+def _route_rule(group: int, head_dim: int, storage, tiles: bool) -> tuple[int, tuple]:
     name = BFLOAT16 if isinstance(storage, str) and storage == BFLOAT16 else np.dtype(storage).name
     table = ROUTE_MIN_RUN
-    if name == BFLOAT16 and amx_tiles.usable():
+    if name == BFLOAT16 and tiles:
         table = {(BFLOAT16, d): e for d, e in ROUTE_MIN_RUN_AMX.items()}
     elif AMX_CPU and any(fmt == name for fmt, _ in ROUTE_MIN_RUN_AMX_CPU):
         table = ROUTE_MIN_RUN_AMX_CPU

@@ -75,3 +75,20 @@ def test_serial_plans_read_numbas_count_only_where_threads_could_help(monkeypatc
     assert asked
     same = AP.QueryPlan(pos, 0, 32, 128, 128, 16, np.float32(0.0), threads=count)
     assert large.serial == same.serial and np.array_equal(large.units, same.units)
+
+
+def test_remembered_routing_follows_what_chooses_the_table(monkeypatch):
+    """`route_rule` remembers its answers by the shapes and by what chooses the table (the CPU flags, the tiles,
+    the tables themselves): a replaced table or another CPU flag gives that table's answer, not the remembered
+    one."""
+    f32 = np.dtype(np.float32)
+    monkeypatch.setattr(AP, "AMX_CPU", False)
+    monkeypatch.setattr(AP, "AVX512", False)
+    avx2 = AP.route_rule(1, 128, f32)
+    monkeypatch.setattr(AP, "ROUTE_MIN_RUN_AVX2", {("float32", 128): ((1, 9, (10,)),)})
+    assert AP.route_rule(1, 128, f32) == (9, (10,)) != avx2
+    monkeypatch.setattr(AP, "AVX512", True)
+    monkeypatch.setattr(AP, "ROUTE_MIN_RUN", {("float32", 128): ((1, 8),)})
+    assert AP.route_rule(1, 128, f32) == (8, ())
+    monkeypatch.setattr(AP, "AVX512", False)
+    assert AP.route_rule(1, 128, f32) == (9, (10,))
