@@ -1,5 +1,6 @@
 """`kvcache.jit_cache`: a cached kernel is compiled again when a module it calls into changes, not only its own
 file (numba's stamp), for the packages registered with it; others are cached as numba does."""
+import json
 import os
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def _run(tmp_path):
     out = subprocess.run([sys.executable, "-c", RUN], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
-    return tuple(__import__("json").loads(out.stdout.strip().splitlines()[-1]))
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def test_locator_installed():
